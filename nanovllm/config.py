@@ -1,0 +1,144 @@
+import os
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.models import SUPPORTED_ARCHITECTURES
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, independent of free RAM
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_model_dir(model) -> Path:
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path to a Hugging Face checkpoint directory, got {model!r}")
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {str(model)!r}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(model)!r} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model directory {str(model)!r} has no *.safetensors weights")
+    return path
+
+
+@dataclass
+class Config:
+    """Everything the engine needs to know, checked once here so that nothing below has to."""
+    model: str
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    max_model_len: int = 4096
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
+
+    def __post_init__(self):
+        path = _check_model_dir(self.model)
+        self.model = str(path)
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
+        _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("kvcache_block_size", self.kvcache_block_size, 1)
+        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, -1)
+        if self.num_kvcache_blocks == 0:
+            raise ValueError("num_kvcache_blocks must be -1 (size from memory) or > 0, got 0")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
+
+        self._resolve_device()
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+            raise ValueError(f"unsupported architecture {architectures!r} in {self.model!r}; "
+                             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self._resolve_dtype()
+        self._resolve_attention_backend()
+        self._check_tensor_parallel()
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def _resolve_device(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but no CUDA device is available")
+
+    def _resolve_dtype(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            if self.dtype not in DTYPES.values():
+                raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype}")
+            return
+        if self.dtype == "auto":
+            if self.device == "cpu":
+                self.dtype = torch.float32
+            else:
+                saved = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+                if isinstance(saved, str):
+                    saved = DTYPES.get(saved)
+                self.dtype = saved if saved in DTYPES.values() else torch.bfloat16
+        elif self.dtype in DTYPES:
+            self.dtype = DTYPES[self.dtype]
+        else:
+            raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype!r}")
+
+    def _resolve_attention_backend(self) -> None:
+        backend, block_size = self.attention_backend, self.kvcache_block_size
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        has_flash_attn = find_spec("flash_attn") is not None
+        if backend == "auto":
+            if self.device == "cpu":
+                backend = "torch"
+            else:
+                backend = "flash_attn" if has_flash_attn and block_size % 256 == 0 else "triton"
+        if backend == "flash_attn":
+            if self.device != "cuda" or not has_flash_attn:
+                raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")
+            if block_size % 256 != 0:
+                raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple "
+                                 f"of 256, got {block_size}")
+        else:
+            if block_size < 16 or block_size & (block_size - 1):
+                raise ValueError(f"kvcache_block_size must be a power of two >= 16 for the {backend} "
+                                 f"attention backend, got {block_size}")
+        if backend == "triton" and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' on CPU needs TRITON_INTERPRET=1 (slow); use 'torch'")
+        self.attention_backend = backend
+
+    def _check_tensor_parallel(self) -> None:
+        tp, hf = self.tensor_parallel_size, self.hf_config
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} CUDA device(s)")
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+            if getattr(hf, name) % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={getattr(hf, name)}")

@@ -1,0 +1,138 @@
+from array import array
+from collections import deque
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    """A page of the KV cache: block_size token slots, shared by ref_count sequences."""
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+    def update(self, hash: int, token_ids: list[int]) -> None:
+        self.hash = hash
+        self.token_ids = token_ids
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+
+class BlockManager:
+    """Paged KV memory with a prefix cache.
+
+    A full, computed block is keyed by a hash chained over every block before it, so equal hashes mean
+    equal prefixes; a hit is still checked against the block's tokens. Freed blocks keep their hash
+    and content until they are handed out again, so a later request (or a preempted one) can revive them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(array("q", token_ids).tobytes())
+        return h.intdigest()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding seq's leading full blocks. The block with the last token is never a hit:
+        its logits must be computed, and a shared block must not be written."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, h = [], -1
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _allocate_block(self, block_id: int) -> Block:
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]   # its old content is about to be overwritten
+        block.reset()
+        self.free_block_ids.remove(block_id)
+        self.used_block_ids.add(block_id)
+        return block
+
+    def _revive_or_share(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block_id in self.used_block_ids:
+            block.ref_count += 1
+        else:                                        # a freed block that still holds this prefix
+            assert block.ref_count == 0
+            block.ref_count = 1
+            self.free_block_ids.remove(block_id)
+            self.used_block_ids.add(block_id)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        num_shared = sum(1 for block_id in hits if block_id in self.used_block_ids)
+        return seq.num_blocks - num_shared <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its tokens, reusing cached prefix blocks (num_cached_tokens counts them)."""
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            self._revive_or_share(block_id)
+            seq.block_table.append(block_id)
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
+        seq.num_cached_tokens = len(hits) * self.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.append(block_id)
+        seq.num_cached_tokens = 0
+        seq.block_table.clear()
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether seq's last token (computed next decode step) has a slot, or a free block can give one."""
+        return len(seq.block_table) >= seq.num_blocks or len(self.free_block_ids) >= 1
+
+    def may_append(self, seq: Sequence) -> None:
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Register seq's full blocks whose KV is now computed, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        end = seq.num_cached_blocks
+        start = end
+        while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
+            start -= 1
+        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
+        for i in range(start, end):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            self.blocks[seq.block_table[i]].update(h, token_ids)
+            self.hash_to_block_id[h] = seq.block_table[i]

@@ -1,0 +1,155 @@
+import atexit
+from dataclasses import fields
+from time import perf_counter
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tensor_parallel import start_workers, stop_workers
+from nanovllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Tokenizes requests, runs the schedule -> model -> postprocess loop, and detokenizes results."""
+
+    def __init__(self, model: str, **kwargs):
+        names = {f.name for f in fields(Config) if f.init}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names - {'model'})}")
+        self._exited = True
+        config = Config(model, **kwargs)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        if self.tokenizer.eos_token_id is not None:
+            config.eos_token_ids = config.eos_token_ids | {self.tokenizer.eos_token_id}
+        self.workers = start_workers(config, ModelRunner)
+        try:
+            self.model_runner = ModelRunner(config, 0, self.workers.events, self.workers.store_port,
+                                            self.workers.shm_name)
+        except BaseException:
+            stop_workers(self.workers)
+            raise
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.vocab_size = config.hf_config.vocab_size
+        self._exited = False
+        atexit.register(self.exit)
+
+    def exit(self) -> None:
+        if self._exited:
+            return
+        self._exited = True
+        self.model_runner.call("exit")
+        del self.model_runner
+        stop_workers(self.workers)
+        atexit.unregister(self.exit)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.exit()
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def _make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+        """Check one request in full, without touching any engine state."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is an empty string")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("a token-id prompt must be a list of ints")
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt has no tokens")
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={max_len}")
+        block_size, num_blocks = self.config.kvcache_block_size, self.scheduler.block_manager.blocks
+        longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
+        if (longest + block_size - 1) // block_size > len(num_blocks):
+            raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
+                             f"{len(num_blocks)} blocks of {block_size} tokens; lower max_tokens or "
+                             f"give the cache more blocks")
+        return Sequence(token_ids, sampling_params, block_size)
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        seq = self._make_sequence(prompt, sampling_params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
+        """One batch. Returns finished (seq_id, completion token ids) and the tokens computed
+        (positive for prefill, negative for decode: the tqdm bar tells them apart)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            raise RuntimeError("the scheduler could schedule nothing although requests are pending")
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    @property
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = True) -> list[dict]:
+        """Run every prompt to completion; outputs ({"text", "token_ids"}) come back in input order."""
+        if self._exited:
+            raise RuntimeError("this engine has exited")
+        if not isinstance(prompts, list):
+            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        if not seqs:
+            return []
+        for seq in seqs:
+            self.scheduler.add(seq)
+        wanted = {seq.seq_id for seq in seqs}
+        outputs: dict[int, list[int]] = {}
+        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_throughput = decode_throughput = 0.0
+        try:
+            while not self.is_finished():
+                t = perf_counter()
+                finished, num_tokens = self.step()
+                elapsed = perf_counter() - t
+                if num_tokens > 0:
+                    prefill_throughput = num_tokens / elapsed
+                else:
+                    decode_throughput = -num_tokens / elapsed
+                pbar.set_postfix(prefill=f"{int(prefill_throughput)}tok/s", decode=f"{int(decode_throughput)}tok/s",
+                                 hit=f"{self.stats['prefix_cache_hit_rate']:.0%}",
+                                 preempt=self.stats["num_preemptions"])
+                for seq_id, token_ids in finished:
+                    if seq_id in wanted:
+                        outputs[seq_id] = token_ids
+                        pbar.update(1)
+        except BaseException:
+            self.scheduler.abort_all()      # free every block; the engine stays usable
+            raise
+        finally:
+            pbar.close()
+        results = [outputs[seq.seq_id] for seq in seqs]
+        return [{"text": self.tokenizer.decode(token_ids), "token_ids": token_ids} for token_ids in results]

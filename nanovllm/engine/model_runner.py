@@ -1,0 +1,306 @@
+import pickle
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, attention_ops
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import model_class
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import get_context, reset_context, set_context
+from nanovllm.utils.loader import load_model
+from nanovllm.utils.parallel import TensorParallelGroup, building_with
+
+SHM_SIZE = 1 << 24   # 16 MiB for one pickled (method, args) message to the workers
+
+
+def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512)."""
+    largest = min(max_num_seqs, 512)
+    return [bs for bs in (1, 2, 4, 8) if bs <= largest] + list(range(16, largest + 1, 16))
+
+
+class ModelRunner:
+    """Runs the model for one rank: builds it, owns the KV cache, prepares each step's inputs and
+    attention metadata, replays CUDA graphs for decode, and (rank 0) samples.
+
+    With tensor parallelism rank 0 lives in the caller's process and broadcasts every call it makes
+    to the other ranks' runners through shared memory: (method name, args) pickled, one Event per worker.
+    """
+
+    def __init__(self, config: Config, rank: int, events: list[Event] | Event | None = None,
+                 store_port: int = 0, shm_name: str = ""):
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        self.enforce_eager = config.enforce_eager or config.device == "cpu"
+        self.world_size = config.tensor_parallel_size
+        self.rank = rank
+        self.events = events
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.tp = self._init_tensor_parallel(store_port)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+        hf_config = config.hf_config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with torch.device(self.device), building_with(self.tp):
+                self.model = model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.sampler = Sampler()
+        self.ops = attention_ops(config.attention_backend)
+        if not self.enforce_eager:
+            self._use_compiled_layers()
+        self.warmup_model()
+        self.allocate_kv_cache()
+        if not self.enforce_eager:
+            self.capture_cudagraph()
+
+        self.shm = None
+        if self.world_size > 1:
+            if rank == 0:
+                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
+                dist_barrier(self.tp)
+            else:
+                dist_barrier(self.tp)
+                self.shm = SharedMemory(name=shm_name)
+                self.loop()
+
+    # ---- tensor parallel plumbing ------------------------------------------------------------------
+    def _init_tensor_parallel(self, store_port: int) -> TensorParallelGroup:
+        if self.world_size == 1:
+            return TensorParallelGroup()
+        store = dist.TCPStore("127.0.0.1", store_port, self.world_size, is_master=False)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                device_id=self.device if self.device.type == "cuda" else None)
+        return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
+
+    def exit(self) -> None:
+        if self.world_size > 1 and self.shm is not None:
+            self.shm.close()
+            if self.rank == 0:
+                self.shm.unlink()
+        self.shm = None
+        if self.device.type == "cuda" and hasattr(self, "graphs"):
+            del self.graphs, self.graph_pool
+            torch.cuda.synchronize()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def loop(self) -> None:
+        while True:
+            method_name, args = self.read_shm()
+            self.call(method_name, *args)
+            if method_name == "exit":
+                break
+
+    def read_shm(self):
+        assert self.world_size > 1 and self.rank > 0
+        self.events.wait()
+        n = int.from_bytes(self.shm.buf[0:4], "little")
+        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
+        self.events.clear()
+        return method_name, args
+
+    def write_shm(self, method_name: str, *args) -> None:
+        assert self.world_size > 1 and self.rank == 0
+        data = pickle.dumps([method_name, *args])
+        n = len(data)
+        if n + 4 > SHM_SIZE:
+            raise RuntimeError(f"a {method_name!r} message of {n} bytes outgrows the {SHM_SIZE}-byte shared buffer")
+        self.shm.buf[0:4] = n.to_bytes(4, "little")
+        self.shm.buf[4:n + 4] = data
+        for event in self.events:
+            event.set()
+
+    def call(self, method_name: str, *args):
+        if self.world_size > 1 and self.rank == 0:
+            self.write_shm(method_name, *args)
+        return getattr(self, method_name)(*args)
+
+    # ---- setup --------------------------------------------------------------------------------------
+    def _use_compiled_layers(self) -> None:
+        for module in self.model.modules():
+            if hasattr(module, "compiled"):
+                module.compiled = True
+        self.sampler.compiled = True
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def warmup_model(self) -> None:
+        """One prefill at the full token budget: compiles kernels and, on CUDA, shows peak activation memory."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        for layer in self._attention_layers():
+            layer.ops = self.ops
+        seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
+        seqs = [Sequence([0] * seq_len, SamplingParams(), self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        self.run(seqs, True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _block_bytes(self) -> int:
+        hf = self.config.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = hf.num_key_value_heads // self.world_size
+        itemsize = torch.empty((), dtype=self.config.dtype).element_size()
+        return 2 * hf.num_hidden_layers * self.block_size * num_kv_heads * head_dim * itemsize
+
+    def _num_kvcache_blocks(self) -> int:
+        config, block_bytes = self.config, self._block_bytes()
+        if config.num_kvcache_blocks > 0:
+            return config.num_kvcache_blocks
+        if self.device.type == "cpu":
+            min_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
+            return max(CPU_KV_CACHE_BYTES // block_bytes, min_blocks)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        available = int(total * config.gpu_memory_utilization) - used - peak + current
+        num_blocks = available // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"not even one KV cache block ({block_bytes} bytes) fits in GPU memory at "
+                             f"gpu_memory_utilization={config.gpu_memory_utilization}")
+        return num_blocks
+
+    def allocate_kv_cache(self) -> None:
+        hf = self.config.hf_config
+        num_blocks = self._num_kvcache_blocks()
+        if self.world_size > 1:   # every rank must agree on the pool the scheduler hands out
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.process_group)
+            num_blocks = int(t.item())
+        self.num_kvcache_blocks = num_blocks
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = hf.num_key_value_heads // self.world_size
+        self.kv_cache = torch.empty(2, hf.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, head_dim,
+                                    dtype=self.config.dtype, device=self.device)
+        for i, layer in enumerate(self._attention_layers()):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # ---- per-step inputs ------------------------------------------------------------------------------
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.tensor(data, dtype=dtype, pin_memory=True).cuda(self.device, non_blocking=True)
+        return torch.tensor(data, dtype=dtype)
+
+    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        return self._tensor(rows, torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs for tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each seq."""
+        input_ids, positions, slot_mapping = [], [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        bs = self.block_size
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            input_ids.extend(seq[start:end])
+            positions.extend(range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
+            if not seq.block_table:      # warmup: nothing to store
+                continue
+            for i in range(start // bs, (end + bs - 1) // bs):
+                first = seq.block_table[i] * bs
+                slot_mapping.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
+        block_tables = None
+        if cu_seqlens_k[-1] > cu_seqlens_q[-1]:    # some keys are already cached: attend through pages
+            block_tables = self.prepare_block_tables(seqs)
+        input_ids = self._tensor(input_ids, torch.int64)
+        positions = self._tensor(positions, torch.int64)
+        set_context(True, self._tensor(cu_seqlens_q, torch.int32), self._tensor(cu_seqlens_k, torch.int32),
+                    max_seqlen_q, max_seqlen_k, self._tensor(slot_mapping, torch.int32), None, block_tables)
+        return input_ids, positions
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each seq computes its last token, whose slot is the next free one of its last block."""
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1 for seq in seqs]
+        set_context(False, slot_mapping=self._tensor(slot_mapping, torch.int32),
+                    context_lens=self._tensor(context_lens, torch.int32),
+                    block_tables=self.prepare_block_tables(seqs))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
+        return self._tensor([seq.temperature for seq in seqs], torch.float32)
+
+    # ---- running ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+        bs = input_ids.size(0)
+        if is_prefill or self.enforce_eager or bs > self.graph_bs[-1]:
+            return self.model.compute_logits(self.model(input_ids, positions))
+        graph_bs = next(b for b in self.graph_bs if b >= bs)
+        context, v = get_context(), self.graph_vars
+        v["input_ids"][:bs] = input_ids
+        v["positions"][:bs] = positions
+        v["slot_mapping"].fill_(-1)
+        v["slot_mapping"][:bs] = context.slot_mapping
+        v["context_lens"].fill_(1)                   # padding rows read one slot of block 0: harmless
+        v["context_lens"][:bs] = context.context_lens
+        v["block_tables"].zero_()
+        v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
+        self.graphs[graph_bs].replay()
+        return self.model.compute_logits(v["outputs"][:bs])
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
+        logits = self.run_model(input_ids, positions, is_prefill)
+        token_ids = self.sampler(logits, temperatures).tolist() if self.rank == 0 else None
+        reset_context()
+        return token_ids
+
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> None:
+        hf = self.config.hf_config
+        self.graph_bs = cuda_graph_batch_sizes(self.config.max_num_seqs)
+        max_bs = self.graph_bs[-1]
+        max_num_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
+        dev = self.device
+        v = self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            context_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, max_num_blocks, dtype=torch.int32, device=dev),
+            outputs=torch.zeros(max_bs, hf.hidden_size, dtype=self.config.dtype, device=dev),
+        )
+        self.graphs, self.graph_pool = {}, None
+        for bs in reversed(self.graph_bs):    # largest first, so smaller graphs reuse its pool
+            graph = torch.cuda.CUDAGraph()
+            set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
+                        block_tables=v["block_tables"][:bs])
+            v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])    # warm up
+            with torch.cuda.graph(graph, self.graph_pool):
+                v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+            reset_context()
+
+
+def dist_barrier(tp: TensorParallelGroup) -> None:
+    if tp.size > 1:
+        dist.barrier(group=tp.process_group)

@@ -1,0 +1,126 @@
+from collections import deque
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Continuous batching: each step is either a prefill batch (new prompts first) or a decode batch.
+
+    Prompts longer than the step's token budget are prefilled in chunks; a partly prefilled sequence
+    stays at the head of `waiting`, holding its blocks, and goes on next step. When decode runs out of
+    blocks, the newest running sequences are preempted: their blocks are freed and they are recomputed
+    later (their own freed blocks often come back through the prefix cache).
+    """
+
+    def __init__(self, config: Config, num_kvcache_blocks: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = config.eos_token_ids
+        self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self.num_lookup_tokens = 0       # prompt tokens checked against the prefix cache
+        self.num_hit_tokens = 0          # ... of which were found there
+        self.num_prefilled_tokens = 0
+        self.num_decoded_tokens = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+                self.num_lookup_tokens += seq.num_tokens
+                self.num_hit_tokens += seq.num_cached_tokens
+            num_new_tokens = seq.num_tokens - seq.num_cached_tokens
+            seq.num_scheduled_tokens = min(num_new_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            self.num_prefilled_tokens += seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < num_new_tokens:
+                break                       # a chunk: the rest of this prompt goes next step
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.num_decoded_tokens += len(scheduled)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Account for the step's computed tokens, append sampled ones, and finish what is done."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue                    # a prefill chunk: no token to sample yet
+            seq.append_token(token_id)
+            if ((not seq.ignore_eos and token_id in self.eos_token_ids)
+                    or seq.num_completion_tokens == seq.max_tokens or seq.num_tokens >= self.max_model_len):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def abort_all(self) -> None:
+        """Drop every request and free its blocks (after a failed step)."""
+        for seq in (*self.running, *self.waiting):
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.num_scheduled_tokens = 0
+        self.running.clear()
+        self.waiting.clear()
+
+    def stats(self) -> dict:
+        return {
+            "num_preemptions": self.num_preemptions,
+            "num_prefilled_tokens": self.num_prefilled_tokens,
+            "num_decoded_tokens": self.num_decoded_tokens,
+            "num_prefix_cache_hit_tokens": self.num_hit_tokens,
+            "prefix_cache_hit_rate": self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0,
+        }

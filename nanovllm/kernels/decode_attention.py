@@ -1,0 +1,234 @@
+"""Triton `flash_attn_with_kvcache`: paged decode attention with split-KV (flash-decoding).
+
+Grid (batch, kv heads, splits). A program takes one sequence, one kv head and one contiguous
+chunk of that sequence's context (the context length, read on the device, is cut into
+`num_splits` chunks of whole key tiles). It computes all q heads that share the kv head at once:
+the group of q heads, padded to 16 rows, is one [GROUP_PAD, D] operand of tl.dot, so each K/V
+tile is read once for the whole group. With one split the program writes the output directly;
+otherwise it writes its partial (max, sum, unnormalized acc) and a reduce kernel combines them.
+
+Everything is fixed by tensor shapes (grid, split count, scratch sizes): no host sync, so a call
+can be captured in a CUDA graph.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, end, offs_d, qk_scale,
+                 stride_kb, stride_kt, stride_vb, stride_vt,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    if BLOCK_N <= PAGE:     # powers of two, n_start a multiple of BLOCK_N: one page per tile
+        page = tl.load(bt_row_ptr + n_start // PAGE).to(tl.int64)
+        within = (n_start % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k_rows = page * stride_kb + within * stride_kt
+        v_rows = page * stride_vb + within * stride_vt
+    else:
+        if MASKED:
+            page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < end, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
+        within = (offs_n % PAGE).to(tl.int64)
+        k_rows = page * stride_kb + within * stride_kt
+        v_rows = page * stride_vb + within * stride_vt
+    k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
+    v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
+    if MASKED:
+        row_ok = offs_n < end
+        if D_PAD == HEAD_DIM:
+            ld_mask = row_ok[:, None]
+        else:
+            ld_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+    else:
+        if D_PAD == HEAD_DIM:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [GROUP_PAD, BLOCK_N]
+    if MASKED:
+        s = tl.where((offs_n < end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+    num_heads, qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seqlens_ptr + b)
+    # chunk: whole tiles, so every tile but the sequence's last needs no mask
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(seq_len, start + chunk)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_ok = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    if D_PAD == HEAD_DIM:
+        io_mask = g_ok[:, None]
+    else:
+        io_mask = g_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+
+    for n_start in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, end,
+                                     offs_d, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC)
+    if full_end < end:
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, full_end, end,
+                                     offs_d, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC)
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # partials laid out [B, num_heads, NUM_SPLITS] and [B, num_heads, NUM_SPLITS, D_PAD]
+        row = (b.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=g_ok)
+        tl.store(part_l_ptr + row, l_i, mask=g_ok)
+        tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    row = (b.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_ok, other=-1.0e30)   # empty split: m = -1e30, l = 0
+    l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
+    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+    """Enough (sequence, kv head, split) programs for ~4 per SM, each with >= min_tokens_per_split keys."""
+    programs = batch * num_kv_heads
+    want = triton.cdiv(4 * num_sms, programs)
+    useful = max(1, max_context // min_tokens_per_split)
+    return max(1, min(want, useful, max_splits))
+
+
+def _default_config(head_dim: int, page: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(block_n=16, num_warps=4, num_stages=1)
+    return dict(block_n=64, num_warps=4, num_stages=3)
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
+                     num_splits=None, block_n=None, num_warps=None, num_stages=None):
+    """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics)."""
+    batch, q_len, num_heads, head_dim = q.shape
+    assert q_len == 1, "decode takes one new token per sequence"
+    assert block_table is not None, "decode reads the paged cache through block_table"
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert page & (page - 1) == 0, "block_size must be a power of two"
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    cfg = _default_config(head_dim, page, q.device)
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_table.shape[1] * page, _sm_count(q.device))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits > 1:
+        part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(batch, num_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out      # never touched
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, cache_seqlens, block_table, part_m, part_l, part_acc,
+        q.stride(0), q.stride(2), out.stride(0), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        num_heads, scale * _LOG2E,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(batch, num_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads,
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
+    """Paged decode: q [B, 1, Hq, D] against each sequence's first cache_seqlens[b] cached tokens.
+
+    `causal` changes nothing: the single new query sits at the end and sees every cached key.
+    """
+    return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale)

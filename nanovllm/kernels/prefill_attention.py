@@ -1,0 +1,234 @@
+"""Triton `flash_attn_varlen_func`: flash attention over a varlen batch (packed or paged K/V).
+
+The grid is (q heads, query tiles of all sequences). Each program finds its sequence from the
+tile counts of `cu_seqlens_q` (computed in the kernel, so the host never syncs), loads one
+[BLOCK_M, D] tile of queries and runs an online softmax over the keys in [BLOCK_N, D] tiles with
+fp32 statistics and accumulator. Tiles that no mask touches run in a loop without masks; the
+tiles on the causal diagonal (bottom-right aligned) and the ragged last tile run in a second,
+masked loop. With a block table, each key tile's rows are found through the sequence's row of it.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, n_limit,
+                    stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor."""
+    if PAGED:
+        if BLOCK_N <= PAGE:
+            # BLOCK_N and PAGE are powers of two and n_start is a multiple of BLOCK_N:
+            # the whole tile lies inside one page
+            page = tl.load(bt_row_ptr + n_start // PAGE).to(tl.int64)
+            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
+        else:
+            if MASKED:
+                page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < n_limit, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
+            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
+    else:
+        rows = (k_start + offs_n).to(tl.int64) * stride_t
+    return rows
+
+
+@triton.jit
+def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                offs_m, offs_d, diag, lo, hi, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """Online-softmax update over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        k_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, seq_k, stride_kb, stride_kt,
+                                 PAGED, PAGE, BLOCK_N, MASKED)
+        v_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, seq_k, stride_vb, stride_vt,
+                                 PAGED, PAGE, BLOCK_N, MASKED)
+        k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
+        v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
+        if MASKED:
+            row_ok = offs_n < seq_k
+            if D_PAD == HEAD_DIM:
+                ld_mask = row_ok[:, None]
+            else:
+                ld_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+        else:
+            if D_PAD == HEAD_DIM:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                d_ok = offs_d[None, :] < HEAD_DIM
+                k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale      # log2 domain
+        if MASKED:
+            ok = offs_n[None, :] < seq_k
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_btb, num_seqs, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+
+    # --- which sequence and which of its query tiles this program owns
+    offs_s = tl.arange(0, SEQS_PAD)
+    s_ok = offs_s < num_seqs
+    q_lo = tl.load(cu_q_ptr + offs_s, mask=s_ok, other=0)
+    q_hi = tl.load(cu_q_ptr + offs_s + 1, mask=s_ok, other=0)
+    n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(n_tiles, 0)                  # inclusive prefix sum
+    if tile >= tl.max(tiles_end, 0):
+        return                                         # past the last real tile
+    seq = tl.sum((tiles_end <= tile).to(tl.int32), 0)
+    first_tile = tl.sum(tl.where(offs_s < seq, n_tiles, 0), 0)
+    seq_tiles = tl.sum(tl.where(offs_s == seq, n_tiles, 0), 0)
+    # heaviest (last, for causal) tiles of a sequence first
+    m_block = seq_tiles - 1 - (tile - first_tile)
+
+    q_start = tl.load(cu_q_ptr + seq)
+    seq_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_k_ptr + seq)
+    seq_k = tl.load(cu_k_ptr + seq + 1) - k_start
+    diag = seq_k - seq_q                               # query j sees keys <= j + diag
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    m_ok = offs_m < seq_q
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    if D_PAD == HEAD_DIM:
+        q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+
+    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_btb
+
+    # key range: [0, full_end) needs no mask; [full_end, hi) is masked
+    if CAUSAL:
+        m_first = m_block * BLOCK_M
+        hi = tl.minimum(seq_k, m_first + BLOCK_M + diag)
+        hi = tl.maximum(hi, 0)
+        full_end = tl.maximum(m_first + diag + 1, 0)
+        full_end = tl.minimum(full_end, hi)
+    else:
+        hi = seq_k
+        full_end = seq_k
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+
+    acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                                offs_m, offs_d, diag, 0, full_end, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, False, DOT_PREC)
+    acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                                offs_m, offs_d, diag, full_end, hi, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, True, DOT_PREC)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)            # a row that sees no key gives zeros
+    out = acc / l_safe[:, None]
+    o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    if D_PAD == HEAD_DIM:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def _default_config(head_dim: int, device: torch.device) -> dict:
+    if device.type != "cuda":          # Triton's interpreter: small tiles keep the tests quick
+        return dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                      block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None):
+    """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim)."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
+    assert k.shape[-1] == head_dim and v.shape[-1] == head_dim
+    cfg = _default_config(head_dim, q.device)
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q)
+    if total_q == 0 or num_seqs == 0:
+        return out
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    paged = block_table is not None
+    if paged:
+        assert k.dim() == 4 and v.dim() == 4, "with block_table, k/v are [num_blocks, block_size, H, D]"
+        page = k.shape[1]
+        assert page & (page - 1) == 0, "block_size must be a power of two"
+        stride_kb, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vb, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        bt, stride_btb = block_table, block_table.stride(0)
+    else:
+        page = 16
+        stride_kb, stride_kt, stride_kh = 0, k.stride(0), k.stride(1)
+        stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
+        bt, stride_btb = cu_seqlens_k, 0   # never read
+
+    # sum over sequences of ceil(Lq / BLOCK_M) is at most ceil(total_q / BLOCK_M) + num_seqs
+    grid = (num_heads, triton.cdiv(total_q, block_m) + num_seqs)
+    _prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_btb, num_seqs, scale * _LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)),
+        CAUSAL=bool(causal), PAGED=paged, PAGE=page,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
+                           causal: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches."""
+    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table)

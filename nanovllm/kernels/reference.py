@@ -1,0 +1,76 @@
+"""Plain-PyTorch versions of the three attention functions, with flash-attn 2's signatures.
+
+They run anywhere (CPU included), compute in float32 (or float64 when given float64) and serve
+as the `"torch"` backend and as the oracle the Triton kernels are tested against.
+"""
+import torch
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write key/value [N, kv_heads, head_dim] into the paged caches at flat slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def _gather_pages(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence, read through its row of the block table."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    pages = cache[block_row[:num_blocks].long()]              # [num_blocks, block_size, H, D]
+    return pages.reshape(-1, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D]; causal mask aligned to the bottom right."""
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lq, num_heads, _ = q.shape
+    lk, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.to(compute_dtype).transpose(0, 1)                                      # [Hq, Lq, D]
+    kf = k.to(compute_dtype).transpose(0, 1).repeat_interleave(group, dim=0)     # [Hq, Lk, D]
+    vf = v.to(compute_dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale                       # [Hq, Lq, Lk]
+    if causal:
+        rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+        cols = torch.arange(lk, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)   # a query row with no key gives zeros
+    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)                   # [Lq, Hq, D]
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
+                           causal: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i]:cu_q[i + 1]]
+        lk = cu_k[i + 1] - cu_k[i]
+        if block_table is None:
+            ks, vs = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        else:
+            ks, vs = _gather_pages(k, block_table[i], lk), _gather_pages(v, block_table[i], lk)
+        out[cu_q[i]:cu_q[i + 1]] = _attend(qs, ks, vs, scale, causal)
+    return out
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                            softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
+    """Paged decode: q [B, Lq, Hq, D] against each sequence's first cache_seqlens[b] cached tokens."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if block_table is None:
+            ks, vs = k_cache[b, :length], v_cache[b, :length]
+        else:
+            ks, vs = _gather_pages(k_cache, block_table[b], length), _gather_pages(v_cache, block_table[b], length)
+        out[b] = _attend(q[b], ks, vs, scale, causal)
+    return out

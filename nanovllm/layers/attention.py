@@ -1,0 +1,52 @@
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from nanovllm.utils.context import get_context
+
+
+def attention_ops(backend: str) -> SimpleNamespace:
+    """The three flash-attn-shaped functions of one backend: 'flash_attn', 'triton' or 'torch'."""
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from nanovllm.kernels import store_kvcache
+    elif backend == "triton":
+        from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+    elif backend == "torch":
+        from nanovllm.kernels.reference import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}")
+    return SimpleNamespace(store_kvcache=store_kvcache, flash_attn_varlen_func=flash_attn_varlen_func,
+                           flash_attn_with_kvcache=flash_attn_with_kvcache)
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the paged cache, then attends: varlen for prefill, paged for decode.
+
+    The ModelRunner binds `k_cache`, `v_cache` (views of its one KV tensor) and `ops` (the backend).
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.ops = attention_ops("torch")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context, ops = get_context(), self.ops
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache.numel() and v_cache.numel():
+            ops.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+        if context.is_prefill:
+            if context.block_tables is not None:    # part of a prompt is cached: read K/V through pages
+                k, v = k_cache, v_cache
+            return ops.flash_attn_varlen_func(q, k, v, cu_seqlens_q=context.cu_seqlens_q,
+                                              cu_seqlens_k=context.cu_seqlens_k,
+                                              max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+                                              softmax_scale=self.scale, causal=True,
+                                              block_table=context.block_tables)
+        o = ops.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
+                                        block_table=context.block_tables, softmax_scale=self.scale, causal=True)
+        return o.squeeze(1)

@@ -1,0 +1,37 @@
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    orig_dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x.to(orig_dtype) * weight
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x, then normalize it: one pass instead of two (the sum is the next residual)."""
+    orig_dtype = x.dtype
+    x = x.float() + residual.float()
+    residual = x.to(orig_dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x.to(orig_dtype) * weight, residual
+
+
+rms_norm_compiled = torch.compile(rms_norm, dynamic=True)
+add_rms_norm_compiled = torch.compile(add_rms_norm, dynamic=True)
+
+
+class RMSNorm(nn.Module):
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.compiled = False   # set by the ModelRunner on CUDA unless enforce_eager
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return (rms_norm_compiled if self.compiled else rms_norm)(x, self.weight, self.eps)
+        return (add_rms_norm_compiled if self.compiled else add_rms_norm)(x, residual, self.weight, self.eps)

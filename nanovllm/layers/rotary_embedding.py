@@ -1,0 +1,64 @@
+import math
+
+import torch
+from torch import nn
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (first half, second half) pair of x [N, heads, D] by its position's angle."""
+    x1, x2 = torch.chunk(x.float(), 2, dim=-1)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    return torch.cat((y1, y2), dim=-1).to(x.dtype)
+
+
+def rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
+
+
+rotate_compiled = torch.compile(rotate, dynamic=True)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's frequency-dependent stretch: long wavelengths slowed by `factor`, short ones kept,
+    the band between interpolated smoothly."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+
+    def __init__(self, head_size: int, max_position: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+        inv_freq = 1.0 / (base ** exponents)
+        if scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.compiled = False
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        return (rotate_compiled if self.compiled else rotate)(positions, query, key, self.cos_sin_cache)
+
+
+def rope_parameters(hf_config) -> tuple[float, dict | None]:
+    """(rope_theta, scaling or None) from a transformers 4.x (rope_theta/rope_scaling) or 5.x
+    (rope_parameters) config; scaling kinds we do not implement are refused."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        return theta, params
+    raise ValueError(f"rope scaling of type {kind!r} is not supported (supported: default, llama3)")

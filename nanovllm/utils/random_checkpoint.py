@@ -1,0 +1,87 @@
+"""Write a random-weight Hugging Face checkpoint of any supported shape, with a byte-level tokenizer.
+
+For tests and benchmarks where no real weights can be fetched:
+
+    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    write_random_checkpoint("/tmp/tiny-qwen3", hidden_size=64, num_hidden_layers=2, vocab_size=512)
+
+The directory holds config.json, model.safetensors and tokenizer files, and loads unchanged in both
+transformers and nanovllm. Weights are drawn from a seeded generator, so a shape and seed always give
+the same checkpoint. The tokenizer covers the whole vocabulary: the 256 byte symbols first (text encodes
+byte by byte), then filler tokens, then the special tokens at the top.
+"""
+from pathlib import Path
+
+import torch
+
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_tokenizer(vocab_size: int):
+    """A fast tokenizer whose ids cover [0, vocab_size): any random token id decodes to something."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    num_fillers = vocab_size - 256 - len(SPECIAL_TOKENS)
+    n = 0
+    while len(vocab) < 256 + num_fillers:     # filler tokens: 2- then 3-symbol strings, in order
+        width = 2 if n < 256 ** 2 else 3
+        digits, m = [], n if width == 2 else n - 256 ** 2
+        for _ in range(width):
+            digits.append(alphabet[m % 256])
+            m //= 256
+        vocab["".join(digits)] = len(vocab)
+        n += 1
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def write_random_checkpoint(path: str | Path, architecture: str = "Qwen3ForCausalLM",
+                            dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides) -> Path:
+    """Write a checkpoint directory; config_overrides set the shape (transformers config fields)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}[architecture]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    settings = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=False)
+    settings.update(config_overrides)
+    settings.setdefault("initializer_range", settings["hidden_size"] ** -0.5)
+    tokenizer = byte_level_tokenizer(settings["vocab_size"])
+    settings.setdefault("eos_token_id", tokenizer.eos_token_id)
+    settings.setdefault("bos_token_id", tokenizer.eos_token_id)
+    settings.setdefault("pad_token_id", tokenizer.eos_token_id)
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **settings)
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():             # norms at exactly one would hide a mix-up of their weights
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.8, 1.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,120 @@
+"""Triton flash_attn_with_kvcache (split-KV paged decode) against the PyTorch reference in float64.
+
+On CPU the kernels run in Triton's interpreter on small shapes in float32/float16; the CUDA tests
+run full size in bf16 and under CUDA-graph capture.
+"""
+import pytest
+import torch
+
+from nanovllm.kernels import flash_attn_with_kvcache, torch_flash_attn_with_kvcache
+from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _setup(lens, heads, kv_heads, head_dim, block_size, dtype, device, width=None):
+    need = [(n + block_size - 1) // block_size for n in lens]
+    width = width or max(need) + 1
+    num_blocks = sum(need) + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    table = torch.full((len(lens), width), -1, dtype=torch.int32, device=device)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    q = torch.randn(len(lens), 1, heads, head_dim, device=device).to(dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, seqlens, table
+
+
+def _ref(q, k_cache, v_cache, seqlens, table):
+    return torch_flash_attn_with_kvcache(q.double(), k_cache.double(), v_cache.double(), seqlens, table)
+
+
+def _check(out, ref, tol):
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_default(group, head_dim):
+    kv_heads = 2 if group < 4 else 1
+    lens = [1, 16, 17, 75]
+    q, k, v, seqlens, table = _setup(lens, kv_heads * group, kv_heads, head_dim, 16, torch.float32, DEVICE)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, causal=True)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_split_edges(num_splits):
+    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks."""
+    bn = 16
+    lens = [1, 2, bn - 1, bn, bn + 1, num_splits * bn - 1, num_splits * bn, num_splits * bn + 1, 200]
+    q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float32, DEVICE)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=bn)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
+@pytest.mark.parametrize("block_size,block_n", [(32, 16), (16, 32), (64, 64)])
+def test_block_sizes(block_size, block_n):
+    """Pages larger and smaller than the key tile (per-row page lookup when block_n > block_size)."""
+    lens = [5, 64, 97, 130]
+    q, k, v, seqlens, table = _setup(lens, 8, 2, 64, block_size, torch.float32, DEVICE)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=3, block_n=block_n)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
+def test_fp16_scale_and_zero_length():
+    """float16, an explicit softmax_scale, head_dim 96 padded, and an empty context giving zeros."""
+    lens = [0, 40, 3]
+    q, k, v, seqlens, table = _setup(lens, 2, 1, 96, 16, torch.float16, DEVICE)
+    for splits in (1, 2):
+        out = decode_attention(q, k, v, seqlens, table, softmax_scale=0.2, num_splits=splits)
+        assert out.dtype == torch.float16 and out[0].abs().max() == 0
+        ref = torch_flash_attn_with_kvcache(q.double(), k.double(), v.double(), seqlens, table, softmax_scale=0.2)
+        _check(out[1:], ref[1:], 2e-3)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 1024, 132) == 1
+    assert choose_num_splits(8, 8, 8192, 132) > 4
+    assert choose_num_splits(1, 1, 100, 132) == 1           # too short to split
+    assert choose_num_splits(1, 1, 1 << 20, 132) == 64      # capped
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch,ctx", [(256, 1024), (8, 8192)])
+def test_full_size_bf16(batch, ctx):
+    torch.manual_seed(0)
+    lens = torch.randint(1, ctx + 1, (batch,)).tolist()
+    lens[0], lens[-1] = ctx, 1
+    q, k, v, seqlens, table = _setup(lens, 16, 8, 128, 256, torch.bfloat16, "cuda", width=ctx // 256)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch", [4, 64])
+def test_cuda_graph_capture(batch):
+    """Captured once, replayed with new lengths and new queries written into the static inputs."""
+    torch.manual_seed(0)
+    ctx = 4096
+    lens = [ctx] * batch
+    q, k, v, seqlens, table = _setup(lens, 16, 8, 128, 256, torch.bfloat16, "cuda", width=ctx // 256)
+    flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)     # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+    for _ in range(2):
+        seqlens.copy_(torch.randint(1, ctx + 1, (batch,), device="cuda", dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, _ref(q, k, v, seqlens, table), 1e-2)

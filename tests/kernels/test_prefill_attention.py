@@ -1,0 +1,134 @@
+"""Triton flash_attn_varlen_func against the PyTorch reference run in float64.
+
+On CPU the kernel runs in Triton's interpreter, on small shapes and in float32/float16 (the
+interpreter's bf16 tl.dot is broken in Triton 3.9); the CUDA tests run full size in bf16.
+"""
+import pytest
+import torch
+
+from nanovllm.kernels import flash_attn_varlen_func, torch_flash_attn_varlen_func
+from nanovllm.kernels.prefill_attention import prefill_attention
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _cu(lens, device):
+    return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+
+
+def _paged(lens_k, num_heads, head_dim, block_size, dtype, device, extra_blocks=3):
+    """Random paged caches and a block table whose pages are scattered and padded with junk ids."""
+    need = [(n + block_size - 1) // block_size for n in lens_k]
+    width = max(need) + 1
+    num_blocks = sum(need) + extra_blocks
+    k_cache = torch.randn(num_blocks, block_size, num_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    table = torch.full((len(lens_k), width), -1, dtype=torch.int32, device=device)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    return k_cache, v_cache, table
+
+
+def _check(out, ref, tol):
+    assert out.shape == ref.shape and out.dtype != torch.float64
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def _ref(q, k, v, cu_q, cu_k, lens_q, lens_k, causal, block_table=None, scale=None):
+    return torch_flash_attn_varlen_func(q.double(), k.double(), v.double(), cu_q, cu_k, max(lens_q),
+                                        max(lens_k), softmax_scale=scale, causal=causal,
+                                        block_table=block_table)
+
+
+# sequences whose keys outnumber their queries (prefix-cached prompts), lengths around tile edges
+LENS_Q = [1, 16, 33, 7]
+LENS_K = [1, 40, 33, 30]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_packed(causal, group, head_dim):
+    kv_heads = 1 if group == 4 else 2
+    nq, nk = sum(LENS_Q), sum(LENS_K)
+    q = torch.randn(nq, kv_heads * group, head_dim, device=DEVICE)
+    k = torch.randn(nk, kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(nk, kv_heads, head_dim, device=DEVICE)
+    cu_q, cu_k = _cu(LENS_Q, DEVICE), _cu(LENS_K, DEVICE)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=causal)
+    _check(out, _ref(q, k, v, cu_q, cu_k, LENS_Q, LENS_K, causal), 1e-5)
+
+
+@pytest.mark.parametrize("block_size,block_n", [(16, None), (32, None), (16, 32), (64, 32)])
+@pytest.mark.parametrize("group", [1, 2])
+def test_paged(block_size, block_n, group):
+    """K/V read through the block table; block_n > block_size takes the per-row page lookup."""
+    kv_heads, head_dim = 2, 64
+    lens_q, lens_k = [3, 50, 20], [70, 50, 37]
+    q = torch.randn(sum(lens_q), kv_heads * group, head_dim, device=DEVICE)
+    k_cache, v_cache, table = _paged(lens_k, kv_heads, head_dim, block_size, torch.float32, DEVICE)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table, block_n=block_n)
+    _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, True, table), 1e-5)
+
+
+def test_paged_head_dim_128_fp16_non_causal():
+    lens_q, lens_k = [20, 9], [20, 41]
+    q = torch.randn(sum(lens_q), 4, 128, device=DEVICE).half()
+    k_cache, v_cache, table = _paged(lens_k, 2, 128, 16, torch.float16, DEVICE)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                 causal=False, block_table=table)
+    assert out.dtype == torch.float16
+    _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, False, table), 2e-3)
+
+
+def test_tile_sizes_scale_and_strided_q():
+    """Other tiles, a given softmax_scale, q a view of a fused qkv output, head_dim 80 padded to 128."""
+    lens = [45, 18, 64]
+    n, heads, head_dim = sum(lens), 2, 80
+    qkv = torch.randn(n, 3 * heads * head_dim, device=DEVICE)
+    q, k, v = (t.view(n, heads, head_dim) for t in qkv.split(heads * head_dim, dim=1))
+    cu = _cu(lens, DEVICE)
+    for block_m, block_n in [(16, 16), (32, 16), (16, 64)]:
+        out = prefill_attention(q, k, v, cu, cu, softmax_scale=0.3, causal=True, block_m=block_m, block_n=block_n)
+        _check(out, _ref(q, k, v, cu, cu, lens, lens, True, scale=0.3), 1e-5)
+
+
+def test_fewer_keys_than_queries():
+    """Bottom-right alignment: early queries of a sequence with Lk < Lq see no key and give zeros."""
+    lens_q, lens_k = [10, 4], [6, 4]
+    q = torch.randn(sum(lens_q), 2, 64, device=DEVICE)
+    k = torch.randn(sum(lens_k), 2, 64, device=DEVICE)
+    v = torch.randn(sum(lens_k), 2, 64, device=DEVICE)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 10, 6, causal=True)
+    assert out[:4].abs().max() == 0
+    _check(out, _ref(q, k, v, cu_q, cu_k, lens_q, lens_k, True), 1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_full_size_bf16(paged, head_dim):
+    """16k query tokens: 16 sequences, the paged ones with cached prefixes (Lq < Lk), GQA 16/8."""
+    torch.manual_seed(0)
+    heads, kv_heads = 16, 8
+    lens_q = [1024] * 14 + [1500, 548]
+    lens_k = [n + (300 * i if paged else 0) for i, n in enumerate(lens_q)]
+    q = torch.randn(sum(lens_q), heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    cu_q, cu_k = _cu(lens_q, "cuda"), _cu(lens_k, "cuda")
+    if paged:
+        k, v, table = _paged(lens_k, kv_heads, head_dim, 256, torch.bfloat16, "cuda")
+    else:
+        k = torch.randn(sum(lens_k), kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        table = None
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, block_table=table)
+    _check(out, _ref(q, k, v, cu_q, cu_k, lens_q, lens_k, True, table), 1e-2)

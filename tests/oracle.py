@@ -1,0 +1,24 @@
+"""Hugging Face transformers as the oracle: greedy continuations of the same checkpoint."""
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def load_hf_model(model_dir, dtype=torch.float32, device="cpu"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """Argmax decoding with transformers' own KV cache; stops after eos_token_id if one is given."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids], device=device)
+    out = model(input_ids=input_ids, use_cache=True)
+    generated = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        if token == eos_token_id:
+            break
+        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return generated
