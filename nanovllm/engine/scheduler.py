@@ -28,6 +28,7 @@ class Scheduler:
         self.num_hit_tokens = 0          # ... of which were found there
         self.num_prefilled_tokens = 0
         self.num_decoded_tokens = 0
+        self.num_peak_used_blocks = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -37,9 +38,11 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+        is_prefill = bool(scheduled)
+        if not is_prefill:
+            scheduled = self._schedule_decode()
+        self.num_peak_used_blocks = max(self.num_peak_used_blocks, len(self.block_manager.used_block_ids))
+        return scheduled, is_prefill
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -122,5 +125,6 @@ class Scheduler:
             "num_prefilled_tokens": self.num_prefilled_tokens,
             "num_decoded_tokens": self.num_decoded_tokens,
             "num_prefix_cache_hit_tokens": self.num_hit_tokens,
+            "num_peak_used_blocks": self.num_peak_used_blocks,
             "prefix_cache_hit_rate": self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0,
         }
