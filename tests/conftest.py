@@ -1,8 +1,29 @@
-"""Test-wide setup: run Triton kernels through the interpreter when there is no GPU."""
+"""Test-wide setup: Triton through its interpreter when there is no GPU, and random checkpoints."""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     # must be set before triton is first imported, so that @triton.jit kernels run on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory):
+    """make_checkpoint(**shape) -> directory of a random-weight checkpoint, written once per shape."""
+    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    written = {}
+
+    def make(**shape):
+        key = tuple(sorted((k, repr(v)) for k, v in shape.items()))
+        if key not in written:
+            written[key] = write_random_checkpoint(tmp_path_factory.mktemp("checkpoint"), **shape)
+        return written[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(make_checkpoint):
+    """The default tiny Qwen3: 2 layers, hidden 64, 4 q / 2 kv heads, vocab 512."""
+    return make_checkpoint()

@@ -47,7 +47,7 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):

@@ -1,0 +1,187 @@
+import pytest
+
+from nanovllm import SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+
+BS = 4
+
+
+def seq_of(tokens):
+    return Sequence(list(tokens), SamplingParams(), BS)
+
+
+def computed(bm: BlockManager, seq: Sequence) -> Sequence:
+    """Pretend a prefill computed every token: that is when full blocks get hashed."""
+    seq.num_cached_tokens = seq.num_tokens
+    bm.hash_blocks(seq)
+    return seq
+
+
+def check_invariants(bm: BlockManager, seqs):
+    holders = {}
+    for seq in seqs:
+        assert len(set(seq.block_table)) == len(seq.block_table), "a sequence holds a block twice"
+        for block_id in seq.block_table:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0)
+    assert set(holders) == bm.used_block_ids
+    assert len(bm.free_block_ids) + len(bm.used_block_ids) == len(bm.blocks)
+    assert not set(bm.free_block_ids) & bm.used_block_ids
+    for h, block_id in bm.hash_to_block_id.items():
+        assert bm.blocks[block_id].hash == h
+
+
+def test_allocate_takes_one_block_per_started_block_of_tokens():
+    bm = BlockManager(8, BS)
+    seq = seq_of(range(10))
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3 and seq.num_cached_tokens == 0
+    assert bm.num_free_blocks == 5
+    check_invariants(bm, [seq])
+    bm.deallocate(seq)
+    assert seq.block_table == [] and bm.num_free_blocks == 8
+    check_invariants(bm, [])
+
+
+def test_cannot_allocate_beyond_the_pool():
+    bm = BlockManager(2, BS)
+    assert not bm.can_allocate(seq_of(range(9)))
+    assert bm.can_allocate(seq_of(range(8)))
+
+
+def test_only_full_computed_blocks_are_hashed():
+    bm = BlockManager(8, BS)
+    seq = seq_of(range(10))
+    bm.allocate(seq)
+    assert bm.hash_to_block_id == {}           # nothing computed yet: nothing to share
+    computed(bm, seq)
+    hashed = [bm.blocks[b].hash != -1 for b in seq.block_table]
+    assert hashed == [True, True, False]       # the partial third block is not hashed
+
+
+def test_hashes_are_chained_over_the_prefix():
+    h0 = BlockManager.compute_hash([1, 2, 3, 4])
+    assert BlockManager.compute_hash([5, 6, 7, 8], h0) != BlockManager.compute_hash([5, 6, 7, 8])
+    assert BlockManager.compute_hash([5, 6, 7, 8], h0) == BlockManager.compute_hash([5, 6, 7, 8], h0)
+    bm = BlockManager(16, BS)
+    a = computed(bm, allocated(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 0])))
+    b = seq_of([9, 9, 9, 9, 5, 6, 7, 8, 0])    # same second block after a different first one
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+
+
+def allocated(bm, seq):
+    bm.allocate(seq)
+    return seq
+
+
+def test_shared_prefix_hits_full_blocks_and_counts_references():
+    bm = BlockManager(16, BS)
+    a = computed(bm, allocated(bm, seq_of(range(10))))
+    b = allocated(bm, seq_of(list(range(8)) + [99, 98, 97]))
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert b.num_cached_tokens == 8
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    check_invariants(bm, [a, b])
+    bm.deallocate(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    check_invariants(bm, [b])
+
+
+def test_block_holding_the_last_token_is_never_a_hit():
+    bm = BlockManager(16, BS)
+    a = computed(bm, allocated(bm, seq_of(range(8))))
+    b = allocated(bm, seq_of(range(8)))         # the same two full blocks
+    assert b.num_cached_tokens == 4             # the last block is recomputed to get its logits
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+
+
+def test_a_hash_hit_is_verified_against_the_tokens():
+    bm = BlockManager(16, BS)
+    a = computed(bm, allocated(bm, seq_of(range(10))))
+    bm.blocks[a.block_table[0]].token_ids = [7, 7, 7, 7]   # as if another prefix collided on this hash
+    b = allocated(bm, seq_of(range(10)))
+    assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+
+
+def test_freed_blocks_keep_their_prefix_and_can_be_revived():
+    bm = BlockManager(4, BS)
+    a = computed(bm, allocated(bm, seq_of(range(10))))
+    old_table = list(a.block_table)
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 4
+    b = seq_of(range(10))
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.block_table[:2] == old_table[:2] and b.num_cached_tokens == 8
+    assert all(bm.blocks[i].ref_count == 1 for i in b.block_table)
+    check_invariants(bm, [b])
+
+
+def test_reusing_a_freed_block_forgets_its_old_prefix():
+    bm = BlockManager(3, BS)
+    a = computed(bm, allocated(bm, seq_of(range(9))))
+    bm.deallocate(a)
+    c = computed(bm, allocated(bm, seq_of([50 + i for i in range(12)])))   # takes all three blocks
+    check_invariants(bm, [c])
+    bm.deallocate(c)
+    b = allocated(bm, seq_of(range(9)))
+    assert b.num_cached_tokens == 0
+
+
+def test_can_allocate_counts_shared_blocks_as_free_of_charge():
+    bm = BlockManager(4, BS)
+    a = computed(bm, allocated(bm, seq_of(range(9))))          # 3 blocks, 1 free
+    b = seq_of(list(range(8)) + [1, 2, 3])                      # shares 2 blocks, needs 1 new
+    assert bm.can_allocate(b)
+    c = seq_of(list(range(4)) + [0] * 7)                        # shares 1 block, needs 2 new
+    assert not bm.can_allocate(c)
+    check_invariants(bm, [a])
+
+
+def test_append_needs_a_new_block_only_when_the_last_token_starts_one():
+    bm = BlockManager(3, BS)
+    seq = allocated(bm, seq_of(range(4)))
+    seq.num_cached_tokens = 4
+    seq.append_token(4)                          # token 5 starts block 2
+    assert bm.can_append(seq)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2
+    seq.num_cached_tokens = 5
+    seq.append_token(5)                          # still fits in block 2
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2
+    other = allocated(bm, seq_of([9]))           # the last free block
+    for t in (6, 7, 8):
+        seq.num_cached_tokens = len(seq)
+        seq.append_token(t)
+    assert len(seq) == 9 and not bm.can_append(seq)
+    check_invariants(bm, [seq, other])
+
+
+def test_decode_hashes_a_block_once_it_fills():
+    bm = BlockManager(4, BS)
+    seq = computed(bm, allocated(bm, seq_of(range(3))))
+    for t in (3, 4):
+        seq.append_token(t)
+        bm.may_append(seq)
+        seq.num_cached_tokens = len(seq)
+        bm.hash_blocks(seq)
+    assert bm.blocks[seq.block_table[0]].hash == BlockManager.compute_hash([0, 1, 2, 3])
+    assert bm.blocks[seq.block_table[1]].hash == -1
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    computed(bm, allocated(bm, seq_of(range(10))))
+    assert bm.hash_to_block_id == {}
+    assert allocated(bm, seq_of(range(10))).num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_num_blocks_matches_token_count(n):
+    bm = BlockManager(8, BS)
+    assert len(allocated(bm, seq_of(range(n))).block_table) == (n + BS - 1) // BS

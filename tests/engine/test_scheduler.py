@@ -1,0 +1,137 @@
+from types import SimpleNamespace
+
+from nanovllm import SamplingParams
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+EOS = 0
+
+
+def scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, prefix_caching=True):
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, eos_token_ids=frozenset({EOS}),
+                             kvcache_block_size=BS, enable_prefix_caching=prefix_caching)
+    return Scheduler(config, num_blocks)
+
+
+def seq(n, first=1, **kw):
+    return Sequence(list(range(first, first + n)), SamplingParams(**kw), BS)
+
+
+def run_step(s: Scheduler, token=7):
+    """One schedule + postprocess, as if the model sampled `token` for every sequence."""
+    seqs, is_prefill = s.schedule()
+    finished = s.postprocess(seqs, [token] * len(seqs))
+    return seqs, is_prefill, finished
+
+
+def test_prefill_first_then_decode():
+    s = scheduler()
+    a, b = seq(5), seq(3, first=100)
+    s.add(a), s.add(b)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [a, b]
+    assert [x.num_scheduled_tokens for x in seqs] == [5, 3]
+    assert a.status == b.status == SequenceStatus.RUNNING
+    s.postprocess(seqs, [7, 8])
+    assert a.completion_token_ids == [7] and b.completion_token_ids == [8]
+    seqs, is_prefill = s.schedule()
+    assert not is_prefill and seqs == [a, b] and all(x.num_scheduled_tokens == 1 for x in seqs)
+
+
+def test_prefill_batch_respects_max_num_seqs():
+    s = scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add(seq(2, first=10 * i + 1))
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and len(seqs) == 2 and len(s.waiting) == 1
+    s.postprocess(seqs, [7, 7])
+    seqs, is_prefill = s.schedule()          # running is full: the third waits, decode goes on
+    assert not is_prefill and len(seqs) == 2
+
+
+def test_token_budget_chunks_a_long_prompt():
+    s = scheduler(max_num_batched_tokens=8)
+    a, b = seq(5), seq(20, first=100)
+    s.add(a), s.add(b)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [a, b] and b.num_scheduled_tokens == 3   # 5 + 3 fills the budget
+    assert s.waiting[0] is b and b.status == SequenceStatus.WAITING and len(b.block_table) == 5
+    s.postprocess(seqs, [7, 9])
+    assert a.completion_token_ids == [7]
+    assert b.completion_token_ids == [] and b.num_cached_tokens == 3      # a chunk samples nothing
+    chunks = []
+    while b.status == SequenceStatus.WAITING:
+        seqs, is_prefill, _ = run_step(s)
+        assert is_prefill and seqs == [b]
+        chunks.append(seqs[0].num_cached_tokens)
+    assert chunks == [11, 19, 20] and b.completion_token_ids == [7]
+
+
+def test_preemption_takes_from_the_tail_and_requeues_at_the_head():
+    s = scheduler(num_blocks=3)
+    a, b, c = seq(4), seq(4, first=20), seq(4, first=40)
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s)                              # all three prefilled, one full block each
+    assert s.block_manager.num_free_blocks == 0
+    seqs, is_prefill = s.schedule()          # each needs a second block: only preemption frees one
+    assert not is_prefill
+    assert seqs == [a] and list(s.waiting) == [b, c]
+    assert b.status == c.status == SequenceStatus.WAITING and not b.block_table and not c.block_table
+    assert s.num_preemptions == 2
+
+
+def test_a_lone_sequence_that_cannot_grow_is_preempted_itself():
+    s = scheduler(num_blocks=2)
+    a = seq(4)
+    s.add(a)
+    run_step(s)
+    s.block_manager.allocate(seq(4, first=50))   # something else holds the last free block
+    seqs, is_prefill = s.schedule()
+    assert seqs == [] and not is_prefill and list(s.waiting) == [a] and not s.running
+
+
+def test_preempted_sequence_recomputes_and_revives_its_cached_blocks():
+    s = scheduler(num_blocks=3)
+    a, b = seq(8), seq(3, first=30)
+    s.add(a), s.add(b)
+    run_step(s)
+    s.schedule()                                  # a needs a 3rd block... b is preempted first
+    assert list(s.waiting) == [b]
+    s.postprocess([a], [5])
+    s.preempt(a)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs[0] is a and a.num_cached_tokens == 8   # two full blocks revived
+    assert a.num_scheduled_tokens == len(a) - 8
+
+
+def test_finish_on_eos_unless_ignored_and_blocks_are_freed():
+    s = scheduler()
+    a, b = seq(3), seq(3, first=20, ignore_eos=True)
+    s.add(a), s.add(b)
+    _, _, finished = run_step(s, token=EOS)
+    assert finished == [a] and a.is_finished and not a.block_table
+    assert b.status == SequenceStatus.RUNNING and list(s.running) == [b]
+
+
+def test_finish_at_max_tokens_and_at_max_model_len():
+    s = scheduler(max_model_len=6)
+    a, b = seq(2, max_tokens=2), seq(3, first=20, max_tokens=100)
+    s.add(a), s.add(b)
+    run_step(s)
+    _, _, finished = run_step(s)
+    assert finished == [a] and len(a.completion_token_ids) == 2
+    _, _, finished = run_step(s)
+    assert finished == [b] and len(b) == 6
+    assert s.is_finished() and s.block_manager.num_free_blocks == 64
+
+
+def test_abort_all_frees_everything():
+    s = scheduler(max_num_batched_tokens=4)
+    a, b = seq(3), seq(10, first=20)
+    s.add(a), s.add(b)
+    run_step(s)                                   # a running, b partly prefilled
+    s.abort_all()
+    assert s.is_finished() and s.block_manager.num_free_blocks == 64
