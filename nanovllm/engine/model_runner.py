@@ -58,7 +58,10 @@ class ModelRunner:
         self.ops = attention_ops(config.attention_backend)
         if not self.enforce_eager:
             self._use_compiled_layers()
-        self.warmup_model()
+        for layer in self._attention_layers():
+            layer.ops = self.ops
+        if self.device.type == "cuda":
+            self.warmup_model()
         self.allocate_kv_cache()
         if not self.enforce_eager:
             self.capture_cudagraph()
@@ -137,20 +140,16 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def warmup_model(self) -> None:
-        """One prefill at the full token budget: compiles kernels and, on CUDA, shows peak activation memory."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        for layer in self._attention_layers():
-            layer.ops = self.ops
+        """One prefill at the full token budget: compiles kernels and shows peak activation memory."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         seqs = [Sequence([0] * seq_len, SamplingParams(), self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
         self.run(seqs, True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
     def _block_bytes(self) -> int:
         hf = self.config.hf_config

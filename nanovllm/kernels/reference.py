@@ -64,13 +64,28 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                             softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
-    """Paged decode: q [B, Lq, Hq, D] against each sequence's first cache_seqlens[b] cached tokens."""
+    """Paged decode: q [B, Lq, Hq, D] against each sequence's first cache_seqlens[b] cached tokens.
+
+    Batched: every sequence's pages are gathered into one padded [B, max_len, Hkv, D] tensor and the
+    padding is masked, so a decode step costs a handful of tensor ops whatever the batch size."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out = torch.empty_like(q)
-    for b, length in enumerate(cache_seqlens.tolist()):
-        if block_table is None:
-            ks, vs = k_cache[b, :length], v_cache[b, :length]
-        else:
-            ks, vs = _gather_pages(k_cache, block_table[b], length), _gather_pages(v_cache, block_table[b], length)
-        out[b] = _attend(q[b], ks, vs, scale, causal)
-    return out
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, lq, num_heads, _ = q.shape
+    if block_table is None:
+        k, v = k_cache, v_cache                                             # [B, L, Hkv, D]
+    else:
+        pages = block_table.long().clamp_min(0)                              # -1 padding -> any valid block
+        k = k_cache[pages].flatten(1, 2)                                     # [B, M * block_size, Hkv, D]
+        v = v_cache[pages].flatten(1, 2)
+    group = num_heads // k.shape[2]
+    k = k.to(compute_dtype).repeat_interleave(group, dim=2).permute(0, 2, 3, 1)   # [B, Hq, D, L]
+    v = v.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)       # [B, Hq, L, D]
+    scores = torch.matmul(q.to(compute_dtype).transpose(1, 2), k) * scale          # [B, Hq, Lq, L]
+    lengths = cache_seqlens.long().view(batch, 1, 1, 1)
+    key_pos = torch.arange(k.shape[-1], device=q.device).view(1, 1, 1, -1)
+    visible = key_pos < lengths
+    if causal:
+        query_pos = torch.arange(lq, device=q.device).view(1, 1, -1, 1) + lengths - lq
+        visible = visible & (key_pos <= query_pos)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, v).transpose(1, 2).to(q.dtype)
