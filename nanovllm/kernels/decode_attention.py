@@ -172,7 +172,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 def _default_config(head_dim: int, page: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(block_n=16, num_warps=4, num_stages=1)
-    return dict(block_n=64, num_warps=4, num_stages=3)
+    if head_dim > 128:
+        return dict(block_n=64, num_warps=4, num_stages=2)
+    # H100, Qwen3-0.6B shape: 128/2 read ~3% (B=256 x 1024) to ~6% (B=8 x 8192) faster than 64/3
+    return dict(block_n=128, num_warps=4, num_stages=2)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,

@@ -169,9 +169,11 @@ def _prefill_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def _default_config(head_dim: int, device: torch.device) -> dict:
+def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     if device.type != "cuda":          # Triton's interpreter: small tiles keep the tests quick
         return dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:         # no tensor-core path worth tuning; keep registers and smem small
+        return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
@@ -185,7 +187,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
     assert k.shape[-1] == head_dim and v.shape[-1] == head_dim
-    cfg = _default_config(head_dim, q.device)
+    cfg = _default_config(head_dim, q.dtype, q.device)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]

@@ -1,0 +1,193 @@
+"""Kernel benchmark: Triton decode and prefill attention on one CUDA GPU.
+
+Decode: achieved KV-read bandwidth (bytes of K and V read / time) at batch 256 x context 1024 and
+batch 8 x context 8192, against this device's device-to-device copy bandwidth (bytes read +
+written), measured in the same run. Prefill: TFLOP/s on a 16k-token causal varlen batch against
+torch's bundled flash attention (torch.nn.attention.varlen.varlen_attn). Attention shape of
+Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128, bf16, block_size 256.
+
+    PYTHONPATH=. python benchmarks/bench_kernels.py [--sweep]
+
+--sweep also times a few tile configurations and split counts (printed before the table).
+"""
+import argparse
+import inspect
+import math
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
+from nanovllm.kernels.prefill_attention import prefill_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
+
+
+def ms(fn, graph=False):
+    """Median milliseconds of fn (CUDA events; optionally replaying a CUDA graph)."""
+    if graph:
+        return do_bench_cudagraph(fn, rep=200, return_mode="median")
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30                                        # 1 GiB each way
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (t * 1e-3)
+
+
+def decode_inputs(batch, ctx):
+    blocks_per_seq = ctx // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, seqlens, table
+
+
+def bench_decode(batch, ctx, sweep):
+    q, k, v, seqlens, table = decode_inputs(batch, ctx)
+    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
+    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
+    rows = []
+    if sweep:
+        configs = [(None, bn, w, st) for bn, w, st in
+                   [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3)]]
+        configs += [(s, None, None, None) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 256 <= ctx]
+        for s, bn, w, st in configs:
+            fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w, num_stages=st)
+            try:
+                t = ms(fn, graph=True)
+                print(f"  sweep decode B={batch} ctx={ctx} splits={s or splits} block_n={bn} warps={w} "
+                      f"stages={st}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s", flush=True)
+            except Exception as e:                       # noqa: BLE001 - report and go on
+                print(f"  sweep decode {s, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
+    fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+    t_graph = ms(fn, graph=True)
+    t_eager = ms(fn)
+    del k, v
+    return kv_bytes, splits, t_graph, t_eager
+
+
+def varlen_torch_fn(q, k, v, cu, max_len):
+    """torch's bundled flash attention on the same varlen inputs; returns (fn, description)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    if varlen_attn is not None:
+        params = inspect.signature(varlen_attn).parameters
+        print(f"  torch.nn.attention.varlen.varlen_attn{inspect.signature(varlen_attn)}")
+        kwargs = {}
+        if "is_causal" in params:
+            kwargs["is_causal"] = True
+        elif "window_size" in params:
+            kwargs["window_size"] = (-1, 0)               # causal as a sliding window of (left=all, right=0)
+        else:
+            varlen_attn = None
+        if varlen_attn is not None:
+            if "enable_gqa" in params:
+                kwargs["enable_gqa"] = True
+            for kk, vv, note in [(k, v, "GQA kv heads"), (None, None, "kv heads repeated to 16")]:
+                if kk is None:
+                    kk = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+                    vv = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+                try:
+                    fn = lambda kk=kk, vv=vv: varlen_attn(q, kk, vv, cu, cu, max_len, max_len, **kwargs)
+                    fn()
+                    torch.cuda.synchronize()
+                    return fn, f"varlen_attn ({note}, {kwargs})"
+                except Exception as e:                   # noqa: BLE001
+                    print(f"  varlen_attn with {note} failed: {type(e).__name__}: {str(e)[:160]}")
+    print("  FALLBACK: varlen_attn missing or failing; using F.scaled_dot_product_attention per sequence")
+    kr = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    vr = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    bounds = cu.tolist()
+
+    def sdpa():
+        out = torch.empty_like(q)
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            out[s:e] = torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), kr[s:e].transpose(0, 1), vr[s:e].transpose(0, 1), is_causal=True
+            ).transpose(0, 1)
+        return out
+    return sdpa, "F.scaled_dot_product_attention per sequence"
+
+
+def bench_prefill(sweep):
+    num_seqs, seq_len = 16, 1024
+    total = num_seqs * seq_len
+    q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, total + 1, seq_len, device="cuda", dtype=torch.int32)
+    pairs = num_seqs * seq_len * (seq_len + 1) // 2           # causal (query, key) pairs
+    flops = 4 * HEAD_DIM * HEADS * pairs
+    tflops = lambda t: flops / (t * 1e-3) / 1e12
+
+    ours = lambda: flash_attn_varlen_func(q, k, v, cu, cu, seq_len, seq_len, causal=True)
+    torch_fn, torch_desc = varlen_torch_fn(q, k, v, cu, seq_len)
+    diff = (ours().float() - torch_fn().float()).abs().max().item()
+    print(f"  max |ours - torch| = {diff:.3e}")
+    if sweep:
+        for bm, bn, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+                              (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3)]:
+            try:
+                t = ms(lambda: prefill_attention(q, k, v, cu, cu, causal=True, block_m=bm, block_n=bn,
+                                                 num_warps=w, num_stages=st))
+                print(f"  sweep prefill block_m={bm} block_n={bn} warps={w} stages={st}: "
+                      f"{t * 1e3:8.1f} us  {tflops(t):6.1f} TFLOP/s", flush=True)
+            except Exception as e:                       # noqa: BLE001
+                print(f"  sweep prefill {bm, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
+    t_ours = ms(ours)
+    t_torch = ms(torch_fn)
+
+    # the same prompts read through a paged cache (block_size 256), prefix-free
+    pages = total // BLOCK_SIZE
+    k_cache = k.view(pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    v_cache = v.view(pages, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    table = torch.arange(pages, device="cuda", dtype=torch.int32).view(num_seqs, -1)
+    paged = lambda: flash_attn_varlen_func(q, k_cache, v_cache, cu, cu, seq_len, seq_len, causal=True,
+                                           block_table=table)
+    print(f"  max |paged - packed| = {(paged().float() - ours().float()).abs().max().item():.3e}")
+    t_paged = ms(paged)
+    return tflops(t_ours), tflops(t_paged), tflops(t_torch), torch_desc, t_ours, t_torch
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    decode = [(b, c, *bench_decode(b, c, args.sweep)) for b, c in [(256, 1024), (8, 8192)]]
+    prefill = bench_prefill(args.sweep)
+
+    print()
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
+    print("| decode (16q/8kv heads, D=128, bf16, block 256) | splits | KV bytes | time (graph) | GB/s | % of copy | time (eager) |")
+    print("|---|---|---|---|---|---|---|")
+    for b, c, nbytes, splits, tg, te in decode:
+        bw = nbytes / (tg * 1e-3)
+        print(f"| batch {b} x ctx {c} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
+              f"{100 * bw / copy_bw:.0f}% | {te * 1e3:.1f} us |")
+    ours, paged, ref, desc, t_ours, t_ref = prefill
+    print()
+    print("| prefill 16 x 1024 causal, 16q/8kv heads, D=128, bf16 | time | TFLOP/s | % of torch |")
+    print("|---|---|---|---|")
+    print(f"| Triton, packed K/V | {t_ours * 1e3:.0f} us | {ours:.1f} | {100 * ours / ref:.0f}% |")
+    print(f"| Triton, paged K/V (block 256) | | {paged:.1f} | {100 * paged / ref:.0f}% |")
+    print(f"| torch: {desc} | {t_ref * 1e3:.0f} us | {ref:.1f} | 100% |")
+
+
+if __name__ == "__main__":
+    main()
