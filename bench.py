@@ -1,0 +1,312 @@
+"""Throughput benchmark: nano-vllm's standard workload, measured against the hardware floor.
+
+    python bench.py                      # nanovllm; on a GPU the Qwen3-0.6B shape with random weights
+    python bench.py --engine hf          # the same workload through transformers' continuous batching
+    python bench.py --model DIR --json   # any checkpoint; a JSON object of every figure as the last line
+
+The workload is drawn exactly as nano-vllm's bench.py draws it (random.seed(0); all prompts, then all
+output lengths), so token counts match upstream's. The floor is what the hardware cannot beat: decode
+reads every running sequence's KV cache and all weights each step (bandwidth-bound), prefill is
+matmul arithmetic (compute-bound). See "Performance yardsticks" in DESIGN.md.
+"""
+import argparse
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+MAX_MODEL_LEN = 4096
+TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=10240, max_position_embeddings=MAX_MODEL_LEN)
+DEFAULTS = {"cuda": dict(num_seqs=256, max_input_len=1024, max_output_len=1024),    # upstream's workload
+            "cpu": dict(num_seqs=16, max_input_len=128, max_output_len=64)}       # a minute or two on CPU
+ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: int = 0) -> Workload:
+    """Upstream's draw: lengths uniform in [100, max] (lowered to max/2 for maxima under 200)."""
+    rng = random.Random(seed)
+    low_in, low_out = (max(1, min(100, n // 2)) for n in (max_input_len, max_output_len))
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(low_in, max_input_len))] for _ in range(num_seqs)]
+    max_tokens = [rng.randint(low_out, max_output_len) for _ in range(num_seqs)]
+    return Workload(prompts, max_tokens)
+
+
+def default_model(device: str) -> Path:
+    """A random-weight checkpoint, written once: Qwen3-0.6B's shape in bf16 on a GPU, a tiny one on CPU."""
+    from nanovllm.utils.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
+
+    root = Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
+    if device == "cuda":
+        path, dtype, shape = root / "random-qwen3-0.6b", torch.bfloat16, QWEN3_0_6B
+    else:
+        path, dtype, shape = root / "random-qwen3-tiny", torch.float32, TINY_SHAPE
+    if not (path / "config.json").is_file():
+        print(f"Writing a random-weight checkpoint to {path} (once)")
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        write_random_checkpoint(partial, dtype=dtype, **shape)
+        partial.rename(path)             # a crash midway never leaves a half-written checkpoint behind
+    return path
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device, iters: int = 20) -> float:
+    """Copy bandwidth in bytes/s, counting the bytes read plus the bytes written."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    elapsed = perf_counter() - start
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()         # leave the engine all the memory it sizes its KV cache from
+    return 2 * n * iters / elapsed
+
+
+def measure_cpu_flops(n: int = 512, iters: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    start = perf_counter()
+    for _ in range(iters):
+        a @ b
+    return 2 * n ** 3 * iters / (perf_counter() - start)
+
+
+def count_parameters(model_dir: str | Path, tied: bool) -> int:
+    """Parameters stored in the checkpoint, a tied embedding counted once."""
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                if not (tied and name.endswith("lm_head.weight")):
+                    total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload,
+                   bandwidth: float, flops: float) -> dict:
+    """Seconds the run needs at best: decode bytes over bandwidth plus prefill FLOPs over peak FLOP/s.
+    Ideally every request runs at once, so the weights are read once per step of the longest output."""
+    hf = hf_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * itemsize
+    lengths = [(len(p), o) for p, o in zip(workload.prompts, workload.max_tokens)]
+    kv_bytes = kv_bytes_per_token * sum(o * p + o * (o - 1) // 2 for p, o in lengths)   # sum_{t<o} (p + t)
+    weight_bytes = num_params * itemsize * max(workload.max_tokens)
+    embedding = hf.vocab_size * hf.hidden_size     # a lookup, not a matmul; the head runs for last tokens only
+    body = num_params - embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    attention = 2 * hf.num_hidden_layers * hf.num_attention_heads * head_dim   # QK^T + PV, causal, per p(p+1)
+    prefill_flops = sum(2 * body * p + 2 * embedding + attention * p * (p + 1) for p, _ in lengths)
+    floor_s = (kv_bytes + weight_bytes) / bandwidth + prefill_flops / flops
+    return dict(kv_read_bytes=kv_bytes, weight_read_bytes=weight_bytes, prefill_flops=prefill_flops,
+                bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s)
+
+
+def run_nanovllm(args: argparse.Namespace, model: Path, workload: Workload) -> dict:
+    """Drive add_request/step ourselves: each step returns once its tokens are on the host, so the
+    wall time of a step is honest, and its sign tells prefill from decode."""
+    from nanovllm import LLM, SamplingParams
+
+    knobs = {name: getattr(args, name) for name in ENGINE_KNOBS if getattr(args, name) is not None}
+    llm = LLM(str(model), enforce_eager=args.enforce_eager, max_model_len=MAX_MODEL_LEN, **knobs)
+    try:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+        preemptions_before = llm.stats["num_preemptions"]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in workload.max_tokens]
+        prefill_s = decode_s = 0.0
+        generated = 0
+        with tqdm(total=len(params), desc="nanovllm", unit="req", dynamic_ncols=True) as pbar:
+            start = perf_counter()
+            for prompt, sp in zip(workload.prompts, params):
+                llm.add_request(prompt, sp)
+            while not llm.is_finished():
+                step_start = perf_counter()
+                finished, num_tokens = llm.step()
+                if num_tokens > 0:
+                    prefill_s += perf_counter() - step_start
+                else:
+                    decode_s += perf_counter() - step_start
+                generated += sum(len(token_ids) for _, token_ids in finished)
+                pbar.update(len(finished))
+            elapsed = perf_counter() - start
+        stats, config = llm.stats, llm.config
+        return dict(time_s=elapsed, generated=generated, prefill_time_s=prefill_s, decode_time_s=decode_s,
+                    num_preemptions=stats["num_preemptions"] - preemptions_before,
+                    peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
+                    hf_config=config.hf_config, dtype=config.dtype,
+                    num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
+    finally:
+        llm.exit()
+
+
+def collect_hf(manager, request_ids: list[str | None], pbar: tqdm | None) -> int:
+    """Wait for every request to finish; returns the number of tokens they generated."""
+    if None in request_ids:
+        raise RuntimeError("transformers' continuous batching manager refused a request")
+    pending, generated = set(request_ids), 0
+    while pending:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped with requests unfinished")
+        elif result.request_id in pending and result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"transformers failed request {result.request_id}: {result.error}")
+            pending.remove(result.request_id)
+            generated += len(result.generated_tokens)
+            if pbar is not None:
+                pbar.update(1)
+    return generated
+
+
+def run_hf(model: Path, workload: Workload, device: torch.device) -> dict:
+    """transformers' continuous batching on the same workload: one request per prompt with its own
+    max_new_tokens, eos disabled (-1 is never sampled), temperature 0.6 over the whole vocabulary.
+    "sdpa" is the spelling both 5.17 (which makes it "paged|sdpa") and later 5.x accept; both switch
+    to flash attention by themselves when it is installed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if device.type == "cpu" else "auto",
+                                                    attn_implementation="sdpa").to(device)
+    generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=-1)
+    hints = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)),
+                          max_generated_length=max(workload.max_tokens), num_requests=len(workload.prompts))
+    cb_config = ContinuousBatchingConfig()
+    if device.type == "cpu":   # else transformers sizes its cache and batch from total RAM: minutes on CPU
+        cb_config.num_blocks = sum(math.ceil((len(p) + o) / 256) for p, o in zip(workload.prompts, workload.max_tokens))
+        cb_config.max_batch_tokens = min(16384, sum(map(len, workload.prompts)))
+    warmup_ids = AutoTokenizer.from_pretrained(model).encode("Benchmark: ")
+    with hf_model.continuous_batching_context_manager(generation_config=generation_config, workload_hints=hints,
+                                                      continuous_batching_config=cb_config) as manager:
+        collect_hf(manager, [manager.add_request(warmup_ids, max_new_tokens=64, eos_token_id=-1)], None)
+        with tqdm(total=len(workload.prompts), desc="transformers", unit="req", dynamic_ncols=True) as pbar:
+            start = perf_counter()
+            request_ids = [manager.add_request(prompt, max_new_tokens=m, eos_token_id=-1)
+                           for prompt, m in zip(workload.prompts, workload.max_tokens)]
+            generated = collect_hf(manager, request_ids, pbar)
+            elapsed = perf_counter() - start
+    return dict(time_s=elapsed, generated=generated, prefill_time_s=None, decode_time_s=None, num_preemptions=None,
+                peak_kv_blocks=None, num_kv_blocks=None, hf_config=hf_model.config, dtype=hf_model.dtype, num_devices=1)
+
+
+def rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.0f}tok/s" if seconds > 0 else "-"
+
+
+def report(result: dict, floor: dict, workload: Workload) -> dict:
+    """Print the human-readable lines (upstream's first) and return every figure for --json."""
+    tokens, elapsed = sum(workload.max_tokens), result["time_s"]
+    if result["generated"] != tokens:
+        raise RuntimeError(f"the engine generated {result['generated']} tokens, the workload asks for {tokens}")
+    print(f"Total: {tokens}tok, Time: {elapsed:.2f}s, Throughput: {tokens / elapsed:.2f}tok/s")
+    prompt_tokens = sum(map(len, workload.prompts))
+    if result["prefill_time_s"] is not None:
+        prefill_s, decode_s = result["prefill_time_s"], result["decode_time_s"]
+        decoded = tokens - len(workload.prompts)          # each request's first token comes from its prefill
+        print(f"Prefill: {prompt_tokens}tok in {prefill_s:.2f}s ({rate(prompt_tokens, prefill_s)}), "
+              f"Decode: {decoded}tok in {decode_s:.2f}s ({rate(decoded, decode_s)})")
+        peak, total = result["peak_kv_blocks"], result["num_kv_blocks"]
+        print(f"Preemptions: {result['num_preemptions']}, Peak KV blocks in use: {peak} / {total} ({peak / total:.0%})")
+    else:
+        print("Prefill/decode split, preemptions, KV blocks: not reported by transformers")
+    fraction = floor["floor_s"] / elapsed
+    print(f"Hardware floor: {floor['floor_s']:.3g}s = {tokens / floor['floor_s']:.0f}tok/s (KV reads {floor['kv_read_bytes'] / 1e12:.3g} TB + weight "
+          f"reads {floor['weight_read_bytes'] / 1e12:.3g} TB at {floor['bandwidth_gbps']:.0f} GB/s, prefill "
+          f"{floor['prefill_flops']:.3g} FLOP at {floor['peak_tflops']:.3g} TFLOP/s); "
+          f"fraction of floor = {fraction:.3g}")
+    figures = {k: v for k, v in result.items() if k not in ("hf_config", "dtype", "generated")}
+    return dict(figures, total_tokens=tokens, prompt_tokens=prompt_tokens, throughput=tokens / elapsed,
+                dtype=str(result["dtype"]).removeprefix("torch."), **floor, fraction_of_floor=fraction)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("nanovllm", "hf"), default="nanovllm",
+                        help="nanovllm, or transformers' continuous batching (generate_batch's manager)")
+    parser.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory; default: a random-weight "
+                        "one written once under $NANOVLLM_CACHE (default ~/.cache/nanovllm): Qwen3-0.6B's shape "
+                        "on a GPU, a tiny shape on CPU")
+    parser.add_argument("--num-seqs", type=int, help="number of requests (default: 256 on a GPU, 16 on CPU)")
+    parser.add_argument("--max-input-len", type=int, help="prompt lengths are uniform in [100, this] "
+                        "(lower bound this/2 below 200; default: 1024 on a GPU, 128 on CPU)")
+    parser.add_argument("--max-output-len", type=int, help="output lengths (max_tokens) are uniform in "
+                        "[100, this] (lower bound this/2 below 200; default: 1024 on a GPU, 64 on CPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload draw (default: 0, as upstream)")
+    parser.add_argument("--bandwidth", type=float, help="device memory bandwidth in GB/s (read + write) for the "
+                        "floor; default: measured by timing a large device-to-device copy")
+    parser.add_argument("--peak-tflops", type=float, help="peak matmul TFLOP/s for the prefill part of the floor; "
+                        "default: 800 on CUDA, a measured float32 matmul on CPU")
+    parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object, last line")
+    engine = parser.add_argument_group("nanovllm engine knobs (default: the engine's own)")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
+    engine.add_argument("--tensor-parallel-size", type=int,
+                        help="devices to shard over; the floor then counts that many devices' bandwidth and FLOP/s")
+    engine.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
+    engine.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one prefill step")
+    engine.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
+    args = parser.parse_args(argv)
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, value in DEFAULTS[args.device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.engine == "hf" and (args.enforce_eager or any(getattr(args, k) is not None for k in ENGINE_KNOBS)):
+        parser.error("the nanovllm engine knobs do not apply to --engine hf")
+    for name in ("num_seqs", "max_input_len", "max_output_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(x is not None and not x > 0 for x in (args.bandwidth, args.peak_tflops)):
+        parser.error("--bandwidth and --peak-tflops must be > 0")
+    if args.max_input_len + args.max_output_len > MAX_MODEL_LEN:
+        parser.error(f"--max-input-len + --max-output-len must be <= max_model_len={MAX_MODEL_LEN}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len, args.seed)
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else measure_bandwidth(device)
+    flops = (args.peak_tflops * 1e12 if args.peak_tflops is not None
+             else 800e12 if device.type == "cuda" else measure_cpu_flops())
+    model = args.model or default_model(device.type)
+    if args.engine == "nanovllm":
+        result = run_nanovllm(args, model, workload)
+    else:
+        result = run_hf(model, workload, device)
+    hf_config = result["hf_config"]
+    num_params = count_parameters(model, getattr(hf_config, "tie_word_embeddings", False))
+    floor = hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload,
+                           bandwidth * result["num_devices"], flops * result["num_devices"])
+    figures = dict(engine=args.engine, model=str(model), device=device.type, num_seqs=args.num_seqs,
+                   max_input_len=args.max_input_len, max_output_len=args.max_output_len, seed=args.seed,
+                   **report(result, floor, workload))
+    if args.json:
+        print(json.dumps(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
