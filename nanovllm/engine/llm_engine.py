@@ -9,7 +9,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tensor_parallel import start_workers, stop_workers
+from nanovllm.engine.tensor_parallel import check_workers, start_workers, stop_workers
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, 0, self.workers.events, self.workers.store_port,
                                             self.workers.shm_name)
         except BaseException:
-            stop_workers(self.workers)
+            stop_workers(self.workers, timeout=0)
             raise
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
@@ -40,13 +40,18 @@ class LLMEngine:
         atexit.register(self.exit)
 
     def exit(self) -> None:
+        """Stop the workers and free the device memory; safe to call twice, and called at exit."""
         if self._exited:
             return
         self._exited = True
-        self.model_runner.call("exit")
-        del self.model_runner
-        stop_workers(self.workers)
         atexit.unregister(self.exit)
+        workers_alive = all(process.is_alive() for process in self.workers.processes)
+        if workers_alive:
+            self.model_runner.call("exit")      # every rank leaves its loop and releases its group
+        else:
+            self.model_runner.exit()            # a dead worker cannot hear "exit": the rest get killed
+        del self.model_runner
+        stop_workers(self.workers, timeout=30 if workers_alive else 0)
 
     def __enter__(self):
         return self
@@ -98,6 +103,7 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        check_workers(self.workers)
         token_ids = self.model_runner.call("run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens

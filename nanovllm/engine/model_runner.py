@@ -70,21 +70,19 @@ class ModelRunner:
         if self.world_size > 1:
             if rank == 0:
                 self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                dist_barrier(self.tp)
+                self.tp.barrier(self.device)
             else:
-                dist_barrier(self.tp)
-                self.shm = SharedMemory(name=shm_name)
+                self.tp.barrier(self.device)
+                self.shm = SharedMemory(name=shm_name)   # spawned: shares rank 0's resource tracker
                 self.loop()
 
     # ---- tensor parallel plumbing ------------------------------------------------------------------
     def _init_tensor_parallel(self, store_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
             return TensorParallelGroup()
-        store = dist.TCPStore("127.0.0.1", store_port, self.world_size, is_master=False)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                device_id=self.device if self.device.type == "cuda" else None)
-        return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        return TensorParallelGroup.connect(self.rank, self.world_size, store_port, self.device)
 
     def exit(self) -> None:
         if self.world_size > 1 and self.shm is not None:
@@ -95,8 +93,7 @@ class ModelRunner:
         if self.device.type == "cuda" and hasattr(self, "graphs"):
             del self.graphs, self.graph_pool
             torch.cuda.synchronize()
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        self.tp = None                       # drops this rank's process group
 
     def loop(self) -> None:
         while True:
@@ -181,8 +178,7 @@ class ModelRunner:
         num_blocks = self._num_kvcache_blocks()
         if self.world_size > 1:   # every rank must agree on the pool the scheduler hands out
             t = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.process_group)
-            num_blocks = int(t.item())
+            num_blocks = int(self.tp.all_reduce(t, dist.ReduceOp.MIN).item())
         self.num_kvcache_blocks = num_blocks
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = hf.num_key_value_heads // self.world_size
@@ -300,6 +296,3 @@ class ModelRunner:
             reset_context()
 
 
-def dist_barrier(tp: TensorParallelGroup) -> None:
-    if tp.size > 1:
-        dist.barrier(group=tp.process_group)

@@ -35,7 +35,15 @@ def start_workers(config: Config, runner_cls) -> Workers:
     return workers
 
 
+def check_workers(workers: Workers) -> None:
+    """Raise, rather than wait forever in a collective, when a worker process has died."""
+    for rank, process in enumerate(workers.processes, start=1):
+        if not process.is_alive():
+            raise RuntimeError(f"tensor-parallel worker of rank {rank} died (exit code {process.exitcode})")
+
+
 def stop_workers(workers: Workers, timeout: float = 30.0) -> None:
+    """Wait up to `timeout` seconds for the workers to leave their loop, then kill what is left."""
     for process in workers.processes:
         process.join(timeout)
         if process.is_alive():

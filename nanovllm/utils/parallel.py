@@ -1,34 +1,56 @@
-"""Who this process is in its tensor-parallel group, and the two collectives the layers need.
+"""Who this process is in its tensor-parallel group, and the collectives the layers need.
 
-Layers read the group while the model is being built (`building_with(group)`) and keep it, so several
-engines can live in one process, each with its own group.
+Each engine builds its own process group straight from a rendezvous store (no global default group),
+so several engines can live in one process. Layers read the group while the model is being built
+(`building_with(group)`) and keep it.
 """
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
 
 class TensorParallelGroup:
-    def __init__(self, rank: int = 0, size: int = 1, process_group: "dist.ProcessGroup | None" = None):
-        self.rank, self.size, self.process_group = rank, size, process_group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, rank: int = 0, size: int = 1, backend=None):
+        self.rank, self.size, self.backend = rank, size, backend
+
+    @classmethod
+    def connect(cls, rank: int, size: int, store_port: int, device: torch.device) -> "TensorParallelGroup":
+        """Join the group whose rendezvous store listens on 127.0.0.1:store_port (NCCL on CUDA, else gloo)."""
+        store = dist.TCPStore("127.0.0.1", store_port, size + 1, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        if device.type == "cuda":
+            backend = dist.ProcessGroupNCCL(store, rank, size, COLLECTIVE_TIMEOUT)
+        else:
+            backend = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        return cls(rank, size, backend)
+
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.process_group)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            self.backend.allreduce([x], opts).wait()
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's x along the last dim on rank 0; other ranks get None."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, group_dst=0, group=self.process_group)
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self.backend.gather([parts] if self.rank == 0 else [], [x], opts).wait()
         return torch.cat(parts, -1) if self.rank == 0 else None
+
+    def barrier(self, device: torch.device) -> None:
+        self.all_reduce(torch.zeros(1, device=device))
 
 
 SINGLE = TensorParallelGroup()
-_building: list[TensorParallelGroup] = []
+_building: list[TensorParallelGroup] = []   # only non-empty while a model is being constructed
 
 
 @contextmanager

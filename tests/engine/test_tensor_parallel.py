@@ -1,0 +1,86 @@
+"""Tensor parallelism on CPU: two gloo ranks, rank 0 in this process and rank 1 spawned."""
+import glob
+import os
+import random
+
+import pytest
+import torch.multiprocessing as mp
+
+from nanovllm import LLM, SamplingParams
+from oracle import hf_greedy, load_hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64, intermediate_size=96)
+
+
+def prompts_with_shared_prefix(n=6, seed=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(512) for _ in range(20)]
+    return [prefix + [rng.randrange(512) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+def shm_segments():
+    return set(glob.glob("/dev/shm/nanovllm-*"))
+
+
+def live_children():
+    return [p for p in mp.active_children() if p.is_alive()]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint):
+    return make_checkpoint(**SHAPE)
+
+
+def test_tp2_matches_tp1_and_transformers_with_cache_hits_and_preemption(model_dir):
+    prompts = prompts_with_shared_prefix()
+    hf = load_hf_model(model_dir)
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(str(model_dir), tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=128,
+                 num_kvcache_blocks=8) as llm:
+            first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+            rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+            outputs[tp] = [o["token_ids"] for o in first + rest]
+            assert llm.stats["num_prefix_cache_hit_tokens"] > 0
+            assert llm.stats["num_preemptions"] > 0
+    assert outputs[2] == outputs[1] == expected
+
+
+def test_two_engines_at_once_and_nothing_left_behind(model_dir):
+    before_shm, before_children = shm_segments(), len(live_children())
+    prompts = prompts_with_shared_prefix(3, seed=1)
+    a = LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    b = LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    try:
+        assert len(live_children()) == before_children + 2
+        assert len(shm_segments() - before_shm) == 2        # each engine has its own buffer
+        out_a = a.generate(prompts, GREEDY, use_tqdm=False)
+        out_b = b.generate(prompts, GREEDY, use_tqdm=False)
+        assert out_a == out_b
+    finally:
+        a.exit()
+        b.exit()
+    assert shm_segments() == before_shm
+    assert len(live_children()) == before_children
+
+
+def test_a_dead_worker_makes_the_engine_raise_instead_of_hang(model_dir):
+    before_shm = shm_segments()
+    llm = LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    worker = llm.workers.processes[0]
+    os.kill(worker.pid, 9)
+    worker.join(10)
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert llm.scheduler.is_finished() and not llm.scheduler.block_manager.used_block_ids
+    llm.exit()
+    assert shm_segments() == before_shm and not worker.is_alive()
+
+
+def test_oversized_messages_are_refused_not_truncated(model_dir):
+    with LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128) as llm:
+        with pytest.raises(RuntimeError, match="outgrows"):
+            llm.model_runner.write_shm("run", b"x" * (1 << 25))
+        assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 10
