@@ -72,9 +72,9 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-    num_heads, qk_scale,
+    num_heads, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,7 +82,7 @@ def _decode_kernel(
 
     seq_len = tl.load(seqlens_ptr + b)
     # chunk: whole tiles, so every tile but the sequence's last needs no mask
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
@@ -114,29 +114,28 @@ def _decode_kernel(
                                      offs_d, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
                                      HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
         o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # partials laid out [B, num_heads, NUM_SPLITS] and [B, num_heads, NUM_SPLITS, D_PAD]
-        row = (b.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        # partials laid out [B, num_heads, num_splits] and [B, num_heads, num_splits, D_PAD]
+        row = (b.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_m_ptr + row, m_i, mask=g_ok)
         tl.store(part_l_ptr + row, l_i, mask=g_ok)
         tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_ok[:, None])
 
 
 @triton.jit
-def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads, num_splits,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_ok = offs_s < NUM_SPLITS
-    row = (b.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    s_ok = offs_s < num_splits
+    row = (b.to(tl.int64) * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + row, mask=s_ok, other=-1.0e30)   # empty split: m = -1e30, l = 0
     l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
     acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
@@ -212,17 +211,16 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        num_heads, scale * _LOG2E,
+        num_heads, scale * _LOG2E, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads,
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
 

@@ -1,7 +1,7 @@
 """Triton `flash_attn_varlen_func`: flash attention over a varlen batch (packed or paged K/V).
 
-The grid is (q heads, query tiles of all sequences). Each program finds its sequence from the
-tile counts of `cu_seqlens_q` (computed in the kernel, so the host never syncs), loads one
+The grid is (query tiles of the longest sequence, q heads, sequences): no constant depends on the
+batch, so one compiled kernel serves every batch. Each program loads one
 [BLOCK_M, D] tile of queries and runs an online softmax over the keys in [BLOCK_N, D] tiles with
 fp32 statistics and accumulator. Tiles that no mask touches run in a loop without masks; the
 tiles on the causal diagonal (bottom-right aligned) and the ragged last tile run in a second,
@@ -91,31 +91,21 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_btb, num_seqs, qk_scale,
+    stride_btb, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    tile = tl.program_id(1)
-
-    # --- which sequence and which of its query tiles this program owns
-    offs_s = tl.arange(0, SEQS_PAD)
-    s_ok = offs_s < num_seqs
-    q_lo = tl.load(cu_q_ptr + offs_s, mask=s_ok, other=0)
-    q_hi = tl.load(cu_q_ptr + offs_s + 1, mask=s_ok, other=0)
-    n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(n_tiles, 0)                  # inclusive prefix sum
-    if tile >= tl.max(tiles_end, 0):
-        return                                         # past the last real tile
-    seq = tl.sum((tiles_end <= tile).to(tl.int32), 0)
-    first_tile = tl.sum(tl.where(offs_s < seq, n_tiles, 0), 0)
-    seq_tiles = tl.sum(tl.where(offs_s == seq, n_tiles, 0), 0)
-    # heaviest (last, for causal) tiles of a sequence first
-    m_block = seq_tiles - 1 - (tile - first_tile)
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
 
     q_start = tl.load(cu_q_ptr + seq)
     seq_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    seq_tiles = (seq_q + BLOCK_M - 1) // BLOCK_M
+    if tile >= seq_tiles:
+        return                                         # this sequence is shorter than the longest
+    m_block = seq_tiles - 1 - tile                     # heaviest (last, for causal) tiles first
     k_start = tl.load(cu_k_ptr + seq)
     seq_k = tl.load(cu_k_ptr + seq + 1) - k_start
     diag = seq_k - seq_q                               # query j sees keys <= j + diag
@@ -180,7 +170,8 @@ def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                      block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None):
+                      block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+                      max_seqlen_q=None):
     """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
@@ -212,15 +203,17 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
         stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
         bt, stride_btb = cu_seqlens_k, 0   # never read
 
-    # sum over sequences of ceil(Lq / BLOCK_M) is at most ceil(total_q / BLOCK_M) + num_seqs
-    grid = (num_heads, triton.cdiv(total_q, block_m) + num_seqs)
+    if max_seqlen_q is None:                          # flash-attn callers pass it; others pay a sync
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    # one program per (query tile, head, sequence); tiles past a shorter sequence's end exit at once
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_btb, num_seqs, scale * _LOG2E,
+        stride_btb, scale * _LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)),
+        BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), PAGED=paged, PAGE=page,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
@@ -233,4 +226,5 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
                            causal: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches."""
-    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table)
+    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table,
+                             max_seqlen_q=max_seqlen_q)
