@@ -1,5 +1,7 @@
 """The model registry: a checkpoint's `architectures` entry -> the class that builds it."""
 SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("nanovllm.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("nanovllm.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("nanovllm.models.qwen3", "Qwen3ForCausalLM"),
 }
 

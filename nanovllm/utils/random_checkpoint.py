@@ -78,10 +78,12 @@ def write_random_checkpoint(path: str | Path, architecture: str = "Qwen3ForCausa
         model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default_dtype)
-    with torch.no_grad():             # norms at exactly one would hide a mix-up of their weights
+    with torch.no_grad():             # norms at exactly one (biases at zero) would hide a mix-up of their weights
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.8, 1.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
