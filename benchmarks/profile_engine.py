@@ -42,19 +42,21 @@ def main() -> None:
 
     runner.prepare_prefill, runner.prepare_decode = timed(real_prefill, "prefill"), timed(real_decode, "decode")
     steps = {"prefill": [], "decode": []}
-    profiled = 0
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    while not llm.is_finished():
-        in_window = steps["decode"] and len(steps["decode"]) == 100      # profile from decode step 100 on
-        if in_window:
-            prof.start()
+    prof = None
+
+    def step() -> None:
         t = perf_counter()
         _, num_tokens = llm.step()
         steps["prefill" if num_tokens > 0 else "decode"].append((perf_counter() - t, abs(num_tokens)))
-        if in_window or 0 < profiled < args.profile_steps:
-            profiled += 1
-            if profiled == args.profile_steps:
-                prof.stop()
+
+    while not llm.is_finished():
+        if prof is None and len(steps["decode"]) == 100:          # a window of steady-state decode
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.profile_steps):
+                    if not llm.is_finished():
+                        step()
+        else:
+            step()
     llm.exit()
     for kind, rows in steps.items():
         total = sum(s for s, _ in rows)
@@ -64,7 +66,8 @@ def main() -> None:
         if rows:
             slowest = sorted(rows, reverse=True)[:3]
             print(f"  slowest steps: {', '.join(f'{s * 1e3:.1f}ms/{n}' for s, n in slowest)}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warmup_model()
         self.allocate_kv_cache()
+        if self.device.type == "cuda":
+            self.warmup_cached_paths()
         if not self.enforce_eager:
             self.capture_cudagraph()
 
@@ -147,6 +149,22 @@ class ModelRunner:
             seq.num_scheduled_tokens = seq_len
         self.run(seqs, True)
         torch.cuda.empty_cache()
+
+    def warmup_cached_paths(self) -> None:
+        """Compile the kernels that read K/V through the block table (a prefill continuing a cached
+        prefix, and an eager decode) now, not inside the first request that needs them."""
+        if self.num_kvcache_blocks < 2:
+            return
+        seq = Sequence([0] * (self.block_size + 1), SamplingParams(), self.block_size)
+        seq.block_table = [0, 1]                # scratch blocks: the scheduler has handed out nothing yet
+        seq.num_cached_tokens, seq.num_scheduled_tokens = self.block_size - 1, 1
+        self.run([seq], True)
+        seq.num_cached_tokens = self.block_size
+        enforce_eager, self.enforce_eager = self.enforce_eager, True
+        try:
+            self.run([seq], False)
+        finally:
+            self.enforce_eager = enforce_eager
 
     def _block_bytes(self) -> int:
         hf = self.config.hf_config
