@@ -78,6 +78,8 @@ class Config:
         if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
             raise ValueError(f"unsupported architecture {architectures!r} in {self.model!r}; "
                              f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        if "sliding_attention" in (getattr(self.hf_config, "layer_types", None) or []):
+            raise ValueError(f"{self.model!r} uses sliding-window attention layers, which are not supported")
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self._resolve_dtype()
         self._resolve_attention_backend()

@@ -77,3 +77,13 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_model, tmp_path)
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*Qwen3ForCausalLM"):
         Config(str(other))
+
+
+def test_sliding_window_models_are_refused_up_front(tiny_model, tmp_path):
+    other = tmp_path / "sliding"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding-window"):
+        Config(str(other))

@@ -158,4 +158,5 @@ class LLMEngine:
         finally:
             pbar.close()
         results = [outputs[seq.seq_id] for seq in seqs]
-        return [{"text": self.tokenizer.decode(token_ids), "token_ids": token_ids} for token_ids in results]
+        return [{"text": self.tokenizer.decode(token_ids, skip_special_tokens=True), "token_ids": token_ids}
+                for token_ids in results]

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_tile import load_kv_tile
+
 _LOG2E = 1.4426950408889634
 
 
@@ -25,36 +27,8 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, 
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    if BLOCK_N <= PAGE:     # powers of two, n_start a multiple of BLOCK_N: one page per tile
-        page = tl.load(bt_row_ptr + n_start // PAGE).to(tl.int64)
-        within = (n_start % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k_rows = page * stride_kb + within * stride_kt
-        v_rows = page * stride_vb + within * stride_vt
-    else:
-        if MASKED:
-            page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < end, other=0).to(tl.int64)
-        else:
-            page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
-        within = (offs_n % PAGE).to(tl.int64)
-        k_rows = page * stride_kb + within * stride_kt
-        v_rows = page * stride_vb + within * stride_vt
-    k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
-    v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
-    if MASKED:
-        row_ok = offs_n < end
-        if D_PAD == HEAD_DIM:
-            ld_mask = row_ok[:, None]
-        else:
-            ld_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
-    else:
-        if D_PAD == HEAD_DIM:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, 0, n_start, end, offs_d,
+                        stride_kb, stride_kt, stride_vb, stride_vt, True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [GROUP_PAD, BLOCK_N]
     if MASKED:

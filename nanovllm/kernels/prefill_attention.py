@@ -13,29 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_tile import load_kv_tile
+
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, n_limit,
-                    stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor."""
-    if PAGED:
-        if BLOCK_N <= PAGE:
-            # BLOCK_N and PAGE are powers of two and n_start is a multiple of BLOCK_N:
-            # the whole tile lies inside one page
-            page = tl.load(bt_row_ptr + n_start // PAGE).to(tl.int64)
-            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
-        else:
-            if MASKED:
-                page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < n_limit, other=0).to(tl.int64)
-            else:
-                page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
-            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
-    else:
-        rows = (k_start + offs_n).to(tl.int64) * stride_t
-    return rows
 
 
 @triton.jit
@@ -48,28 +28,9 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
     """Online-softmax update over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        k_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, seq_k, stride_kb, stride_kt,
-                                 PAGED, PAGE, BLOCK_N, MASKED)
-        v_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, seq_k, stride_vb, stride_vt,
-                                 PAGED, PAGE, BLOCK_N, MASKED)
-        k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
-        v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
-        if MASKED:
-            row_ok = offs_n < seq_k
-            if D_PAD == HEAD_DIM:
-                ld_mask = row_ok[:, None]
-            else:
-                ld_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
-        else:
-            if D_PAD == HEAD_DIM:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                d_ok = offs_d[None, :] < HEAD_DIM
-                k = tl.load(k_ptrs, mask=d_ok, other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, k_start, n_start, seq_k, offs_d,
+                            stride_kb, stride_kt, stride_vb, stride_vt,
+                            PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale      # log2 domain
         if MASKED:

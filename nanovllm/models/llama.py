@@ -88,8 +88,6 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, **variant):
         super().__init__()
-        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-            raise ValueError("sliding-window attention layers are not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, **variant) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -113,10 +113,13 @@ def test_cuda_graph_decode_matches_eager(llm):
     eager = forced_logprobs(llm, prompts, continuations, use_graphs=False)
     top2 = eager.topk(2, dim=-1).values
     decided = (top2[..., 0] - top2[..., 1]) > TIE_MARGIN
-    max_diff = (graphs - eager).abs().max().item()
-    print(f"graph vs eager: max |dlogprob| {max_diff:.4f}")
+    eager_top = eager.argmax(-1, keepdim=True)
+    top_logprob_diff = (graphs.gather(-1, eager_top) - eager.gather(-1, eager_top)).abs().max().item()
+    kl = F.kl_div(graphs, eager, log_target=True, reduction="none").sum(-1).mean().item()
+    print(f"graph vs eager: max |dlogprob| of top-1 {top_logprob_diff:.4f}, mean KL {kl:.2e}")
     assert torch.equal(graphs.argmax(-1)[decided], eager.argmax(-1)[decided])
-    assert max_diff < 0.05
+    assert top_logprob_diff < 0.25    # the same bounds as against transformers
+    assert kl < 1e-2
 
 
 def test_greedy_continuations_agree_with_transformers(llm, hf):

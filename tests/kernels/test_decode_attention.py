@@ -8,23 +8,14 @@ import torch
 
 from nanovllm.kernels import flash_attn_with_kvcache, torch_flash_attn_with_kvcache
 from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention
+from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
 def _setup(lens, heads, kv_heads, head_dim, block_size, dtype, device, width=None):
-    need = [(n + block_size - 1) // block_size for n in lens]
-    width = width or max(need) + 1
-    num_blocks = sum(need) + 2
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    table = torch.full((len(lens), width), -1, dtype=torch.int32, device=device)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[used:used + n]
-        used += n
+    k_cache, v_cache, table = random_paged_cache(lens, kv_heads, head_dim, block_size, dtype, device, width)
     q = torch.randn(len(lens), 1, heads, head_dim, device=device).to(dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, seqlens, table

@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.kernels import flash_attn_varlen_func, torch_flash_attn_varlen_func
 from nanovllm.kernels.prefill_attention import prefill_attention
+from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -17,20 +18,8 @@ def _cu(lens, device):
     return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
 
 
-def _paged(lens_k, num_heads, head_dim, block_size, dtype, device, extra_blocks=3):
-    """Random paged caches and a block table whose pages are scattered and padded with junk ids."""
-    need = [(n + block_size - 1) // block_size for n in lens_k]
-    width = max(need) + 1
-    num_blocks = sum(need) + extra_blocks
-    k_cache = torch.randn(num_blocks, block_size, num_heads, head_dim, device=device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    table = torch.full((len(lens_k), width), -1, dtype=torch.int32, device=device)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[used:used + n]
-        used += n
-    return k_cache, v_cache, table
+def _paged(lens_k, num_heads, head_dim, block_size, dtype, device):
+    return random_paged_cache(lens_k, num_heads, head_dim, block_size, dtype, device, extra_blocks=3)
 
 
 def _check(out, ref, tol):

@@ -1,0 +1,58 @@
+"""Loading one tile of keys and values, packed or through a sequence's row of the block table."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, n_limit,
+                    stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor."""
+    if PAGED:
+        if BLOCK_N <= PAGE:
+            # BLOCK_N and PAGE are powers of two and n_start is a multiple of BLOCK_N:
+            # the whole tile lies inside one page
+            page = tl.load(bt_row_ptr + n_start // PAGE).to(tl.int64)
+            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
+        else:
+            if MASKED:
+                page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < n_limit, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
+            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
+    else:
+        rows = (k_start + offs_n).to(tl.int64) * stride_t
+    return rows
+
+
+@triton.jit
+def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, k_start, n_start, limit, offs_d,
+                 stride_kb, stride_kt, stride_vb, stride_vt,
+                 PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N, D_PAD] tiles of K and V for key positions n_start.. of one sequence; with MASKED,
+    rows at or past `limit` (and padded head dims) read as zero."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    k_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, limit, stride_kb, stride_kt,
+                             PAGED, PAGE, BLOCK_N, MASKED)
+    v_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, limit, stride_vb, stride_vt,
+                             PAGED, PAGE, BLOCK_N, MASKED)
+    k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
+    v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
+    if MASKED:
+        row_ok = offs_n < limit
+        if D_PAD == HEAD_DIM:
+            ld_mask = row_ok[:, None]
+        else:
+            ld_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+    else:
+        if D_PAD == HEAD_DIM:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            d_ok = offs_d[None, :] < HEAD_DIM
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+    return k, v
