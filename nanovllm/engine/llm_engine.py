@@ -145,9 +145,11 @@ class LLMEngine:
                     prefill_throughput = num_tokens / elapsed
                 else:
                     decode_throughput = -num_tokens / elapsed
-                pbar.set_postfix(prefill=f"{int(prefill_throughput)}tok/s", decode=f"{int(decode_throughput)}tok/s",
-                                 hit=f"{self.stats['prefix_cache_hit_rate']:.0%}",
-                                 preempt=self.stats["num_preemptions"])
+                if use_tqdm:
+                    stats = self.stats
+                    pbar.set_postfix(prefill=f"{int(prefill_throughput)}tok/s",
+                                     decode=f"{int(decode_throughput)}tok/s",
+                                     hit=f"{stats['prefix_cache_hit_rate']:.0%}", preempt=stats["num_preemptions"])
                 for seq_id, token_ids in finished:
                     if seq_id in wanted:
                         outputs[seq_id] = token_ids
