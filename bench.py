@@ -45,13 +45,18 @@ def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: 
     return Workload(prompts, max_tokens)
 
 
-def default_model(device: str) -> Path:
-    """A random-weight checkpoint, written once: Qwen3-0.6B's shape in bf16 on a GPU, a tiny one on CPU."""
-    from nanovllm.utils.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
+RANDOM_SHAPES = ("qwen3-0.6b", "qwen3-8b")
+
+
+def default_model(device: str, shape: str = "qwen3-0.6b") -> Path:
+    """A random-weight checkpoint, written once: a published Qwen3 shape in bf16 on a GPU (0.6B unless
+    `shape` says 8B), a tiny one on CPU."""
+    from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, write_random_checkpoint
 
     root = Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
     if device == "cuda":
-        path, dtype, shape = root / "random-qwen3-0.6b", torch.bfloat16, QWEN3_0_6B
+        path, dtype = root / f"random-{shape}", torch.bfloat16
+        shape = QWEN3_8B if shape == "qwen3-8b" else QWEN3_0_6B
     else:
         path, dtype, shape = root / "random-qwen3-tiny", torch.float32, TINY_SHAPE
     if not (path / "config.json").is_file():
@@ -249,6 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory; default: a random-weight "
                         "one written once under $NANOVLLM_CACHE (default ~/.cache/nanovllm): Qwen3-0.6B's shape "
                         "on a GPU, a tiny shape on CPU")
+    parser.add_argument("--shape", choices=RANDOM_SHAPES, default="qwen3-0.6b",
+                        help="the published shape of the random-weight default model on a GPU (qwen3-8b: "
+                        "36 layers, hidden 4096, 32 q / 8 kv heads, for tensor-parallel runs)")
     parser.add_argument("--num-seqs", type=int, help="number of requests (default: 256 on a GPU, 16 on CPU)")
     parser.add_argument("--max-input-len", type=int, help="prompt lengths are uniform in [100, this] "
                         "(lower bound this/2 below 200; default: 1024 on a GPU, 128 on CPU)")
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else measure_bandwidth(device)
     flops = (args.peak_tflops * 1e12 if args.peak_tflops is not None
              else 800e12 if device.type == "cuda" else measure_cpu_flops())
-    model = args.model or default_model(device.type)
+    model = args.model or default_model(device.type, args.shape)
     if args.engine == "nanovllm":
         result = run_nanovllm(args, model, workload)
     else:

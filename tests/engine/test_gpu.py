@@ -1,21 +1,15 @@
 """The CUDA path end to end: Triton kernels, torch.compile and CUDA-graph decode, in bf16, against
 transformers on the same GPU with a random-weight checkpoint of Qwen3-0.6B's shape."""
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.context import get_context, reset_context
 from nanovllm.utils.random_checkpoint import QWEN3_0_6B
 from oracle import hf_greedy, load_hf_model
+from teacher_forcing import NUM_FORCED, TIE_MARGIN, forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-NUM_FORCED = 48          # decode positions teacher-forced per sequence
-
 
 @pytest.fixture(scope="module")
 def model_dir(make_checkpoint):
@@ -33,41 +27,6 @@ def hf(model_dir):
     return load_hf_model(model_dir, dtype=torch.bfloat16, device="cuda")
 
 
-def random_prompts(n, seed, lengths=(20, 300)):
-    rng = random.Random(seed)
-    return [[rng.randrange(10000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
-
-
-@torch.inference_mode()
-def forced_logprobs(llm, prompts, continuations, use_graphs=True):
-    """Our log-probs at the last prompt position (prefill) and at each teacher-forced decode step."""
-    runner, bm = llm.model_runner, llm.scheduler.block_manager
-    seqs = [Sequence(p, SamplingParams(), llm.config.kvcache_block_size) for p in prompts]
-    for seq in seqs:
-        bm.allocate(seq)
-        seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
-    was_eager = runner.enforce_eager
-    runner.enforce_eager = not use_graphs
-    steps = []
-    try:
-        logits = runner.run_model(*runner.prepare_prefill(seqs), True)
-        reset_context()
-        steps.append(logits.float().log_softmax(-1))
-        for i in range(NUM_FORCED):
-            for seq, cont in zip(seqs, continuations):
-                seq.num_cached_tokens = len(seq)
-                seq.append_token(cont[i])
-                bm.may_append(seq)
-            logits = runner.run_model(*runner.prepare_decode(seqs), False)
-            reset_context()
-            steps.append(logits.float().log_softmax(-1))
-    finally:
-        runner.enforce_eager = was_eager
-        for seq in seqs:
-            bm.deallocate(seq)
-    return torch.stack(steps, 1)                   # [batch, 1 + NUM_FORCED, vocab]
-
-
 @torch.inference_mode()
 def hf_forced_logprobs(hf, prompts, continuations):
     rows = []
@@ -76,9 +35,6 @@ def hf_forced_logprobs(hf, prompts, continuations):
         logits = hf(input_ids=ids).logits[0, len(prompt) - 1:].float()
         rows.append(logits.log_softmax(-1))
     return torch.stack(rows)
-
-
-TIE_MARGIN = 0.1   # nats: closer top-2 logits are near-ties that bf16 rounding alone may flip
 
 
 def test_teacher_forced_logprobs_agree_with_transformers(llm, hf):

@@ -67,3 +67,23 @@ def test_chunked_prefill_gives_the_same_tokens(make_checkpoint):
     prompts = random_prompts(4, 512, (30, 90), seed=5)
     with LLM(model_dir, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=24) as llm:
         assert generate(llm, prompts) == expected(model_dir, prompts)
+
+
+def test_teacher_forced_logprobs_match_transformers(make_checkpoint):
+    """The step-level path the GPU tests use (prefill, then decode steps fed given tokens) gives
+    transformers' log-probs at every position, in float32 on CPU."""
+    import torch
+
+    from teacher_forcing import forced_logprobs
+
+    model_dir = make_checkpoint(**SHAPES["gqa2-d64"])
+    prompts = random_prompts(3, 512, (5, 40), seed=11)
+    continuations = random_prompts(3, 512, (8, 8), seed=12)
+    with LLM(model_dir, kvcache_block_size=16, max_model_len=128) as llm:
+        ours = forced_logprobs(llm, prompts, continuations, use_graphs=False, num_forced=8)
+    hf = load_hf_model(model_dir)
+    with torch.inference_mode():
+        theirs = torch.stack([hf(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:].log_softmax(-1)
+                              for p, c in zip(prompts, continuations)])
+    assert ours.shape == theirs.shape == (3, 9, 512)
+    assert torch.allclose(ours, theirs, atol=1e-4)

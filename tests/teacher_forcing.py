@@ -1,0 +1,47 @@
+"""Teacher forcing through the engine's own model runner: log-probs at the last prompt position and at
+each decode step of a given continuation, with or without CUDA graphs (GPU tests)."""
+import random
+
+import torch
+
+from nanovllm import SamplingParams
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import reset_context
+
+NUM_FORCED = 48      # decode positions teacher-forced per sequence
+TIE_MARGIN = 0.1     # nats: closer top-2 logits are near-ties that bf16 rounding alone may flip
+
+
+def random_prompts(n, seed, lengths=(20, 300)):
+    rng = random.Random(seed)
+    return [[rng.randrange(10000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+@torch.inference_mode()
+def forced_logprobs(llm, prompts, continuations, use_graphs=True, num_forced=NUM_FORCED):
+    """Our log-probs at the last prompt position (prefill) and at each teacher-forced decode step."""
+    runner, bm = llm.model_runner, llm.scheduler.block_manager
+    seqs = [Sequence(p, SamplingParams(), llm.config.kvcache_block_size) for p in prompts]
+    for seq in seqs:
+        bm.allocate(seq)
+        seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+    was_eager = runner.enforce_eager
+    runner.enforce_eager = not use_graphs
+    steps = []
+    try:
+        logits = runner.run_model(*runner.prepare_prefill(seqs), True)
+        reset_context()
+        steps.append(logits.float().log_softmax(-1))
+        for i in range(num_forced):
+            for seq, cont in zip(seqs, continuations):
+                seq.num_cached_tokens = len(seq)
+                seq.append_token(cont[i])
+                bm.may_append(seq)
+            logits = runner.run_model(*runner.prepare_decode(seqs), False)
+            reset_context()
+            steps.append(logits.float().log_softmax(-1))
+    finally:
+        runner.enforce_eager = was_eager
+        for seq in seqs:
+            bm.deallocate(seq)
+    return torch.stack(steps, 1)                   # [batch, 1 + num_forced, vocab]
