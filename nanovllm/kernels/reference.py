@@ -84,6 +84,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lengths = cache_seqlens.long().view(batch, 1, 1, 1)
     key_pos = torch.arange(k.shape[-1], device=q.device).view(1, 1, 1, -1)
     visible = key_pos < lengths
+    # slots past a sequence's length were never written (the cache is uninitialized memory): zero
+    # their values, or a NaN there would survive its zero attention weight (0 * NaN = NaN)
+    v = v.masked_fill(~visible.transpose(2, 3), 0.0)
     if causal:
         query_pos = torch.arange(lq, device=q.device).view(1, 1, -1, 1) + lengths - lq
         visible = visible & (key_pos <= query_pos)
