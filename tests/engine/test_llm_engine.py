@@ -8,7 +8,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    with LLM(str(tiny_model), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40) as engine:
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40) as engine:
         yield engine
 
 
@@ -72,7 +72,7 @@ def test_add_request_validates_before_queueing(llm, reference):
 def test_a_request_that_can_never_fit_is_refused(llm, reference):
     # 40 blocks of 16 tokens hold 640 tokens; max_model_len 128 caps any single request below that,
     # so build an engine where the cache is smaller than one request
-    with LLM(str(llm.config.model), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=3) as small:
+    with LLM(str(llm.config.model), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=3) as small:
         with pytest.raises(ValueError, match="never fit"):
             small.generate([[1] * 40], SamplingParams(max_tokens=20), use_tqdm=False)
         assert len(small.generate([[1] * 40], SamplingParams(max_tokens=8), use_tqdm=False)[0]["token_ids"]) == 8
@@ -98,11 +98,11 @@ def test_an_exception_inside_a_step_frees_everything(llm, reference, monkeypatch
 
 def test_unknown_engine_argument_is_named(tiny_model):
     with pytest.raises(TypeError, match="max_num_seq"):
-        LLM(str(tiny_model), max_num_seq=4)
+        LLM(str(tiny_model), device="cpu", max_num_seq=4)
 
 
 def test_stats_count_the_work(tiny_model):
-    with LLM(str(tiny_model), kvcache_block_size=16, max_model_len=128) as engine:
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=128) as engine:
         engine.generate([[3] * 40], GREEDY, use_tqdm=False)
         engine.generate([[3] * 40], GREEDY, use_tqdm=False)
         stats = engine.stats
@@ -114,7 +114,7 @@ def test_stats_count_the_work(tiny_model):
 
 
 def test_exit_is_idempotent_and_the_engine_then_refuses_work(tiny_model):
-    engine = LLM(str(tiny_model), kvcache_block_size=16, max_model_len=64)
+    engine = LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64)
     engine.exit()
     engine.exit()
     with pytest.raises(RuntimeError, match="exited"):

@@ -20,10 +20,10 @@ def test_constant_preemption_changes_nothing(tiny_model):
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 40))] for _ in range(24)]
     params = [greedy(rng.randint(1, 20)) for _ in prompts]
-    with LLM(str(tiny_model), kvcache_block_size=BLOCK, max_model_len=128) as roomy:
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128) as roomy:
         expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
         assert roomy.stats["num_preemptions"] == 0
-    with LLM(str(tiny_model), kvcache_block_size=BLOCK, max_model_len=128, num_kvcache_blocks=5) as cramped:
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128, num_kvcache_blocks=5) as cramped:
         assert token_ids(cramped.generate(prompts, params, use_tqdm=False)) == expected
         assert cramped.stats["num_preemptions"] >= 10
         assert cramped.scheduler.block_manager.used_block_ids == set()
@@ -37,7 +37,7 @@ def test_prefix_caching_on_and_off_agree_and_hits_are_what_the_prefix_implies(ti
     others = [prefix + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(12)]
     results = {}
     for caching in (True, False):
-        with LLM(str(tiny_model), kvcache_block_size=BLOCK, max_model_len=128,
+        with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128,
                  enable_prefix_caching=caching) as llm:
             out_first = token_ids(llm.generate([first], greedy(6), use_tqdm=False))
             before = llm.stats

@@ -38,7 +38,7 @@ def test_tp2_matches_tp1_and_transformers_with_cache_hits_and_preemption(model_d
     expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     outputs = {}
     for tp in (1, 2):
-        with LLM(str(model_dir), tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=128,
+        with LLM(str(model_dir), device="cpu", tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=128,
                  num_kvcache_blocks=8) as llm:
             first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
             rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
@@ -51,8 +51,8 @@ def test_tp2_matches_tp1_and_transformers_with_cache_hits_and_preemption(model_d
 def test_two_engines_at_once_and_nothing_left_behind(model_dir):
     before_shm, before_children = shm_segments(), len(live_children())
     prompts = prompts_with_shared_prefix(3, seed=1)
-    a = LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
-    b = LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    a = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    b = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
     try:
         assert len(live_children()) == before_children + 2
         assert len(shm_segments() - before_shm) == 2        # each engine has its own buffer
@@ -68,7 +68,7 @@ def test_two_engines_at_once_and_nothing_left_behind(model_dir):
 
 def test_a_dead_worker_makes_the_engine_raise_instead_of_hang(model_dir):
     before_shm = shm_segments()
-    llm = LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
     worker = llm.workers.processes[0]
     os.kill(worker.pid, 9)
     worker.join(10)
@@ -80,7 +80,7 @@ def test_a_dead_worker_makes_the_engine_raise_instead_of_hang(model_dir):
 
 
 def test_oversized_messages_are_refused_not_truncated(model_dir):
-    with LLM(str(model_dir), tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128) as llm:
+    with LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128) as llm:
         with pytest.raises(RuntimeError, match="outgrows"):
             llm.model_runner.write_shm("run", b"x" * (1 << 25))
         assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 10

@@ -39,7 +39,7 @@ def test_greedy_matches_transformers(make_checkpoint, name):
     prompts = random_prompts(5, 512, (1, 70), seed=len(name))     # mixed lengths, crossing 16-token blocks
     hf = load_hf_model(model_dir)
     expected = [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in prompts]
-    with LLM(model_dir, kvcache_block_size=16, max_model_len=256) as llm:
+    with LLM(model_dir, device="cpu", kvcache_block_size=16, max_model_len=256) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                                use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
@@ -66,4 +66,4 @@ def test_an_unsupported_architecture_is_refused_by_name(make_checkpoint, tmp_pat
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["MistralForCausalLM"])))
     with pytest.raises(ValueError, match="MistralForCausalLM.*LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
-        LLM(str(tmp_path))
+        LLM(str(tmp_path), device="cpu")

@@ -37,7 +37,7 @@ def generate(llm, prompts, max_tokens=MAX_TOKENS):
 def test_greedy_matches_transformers(make_checkpoint, shape, block_size):
     model_dir = make_checkpoint(**SHAPES[shape])
     prompts = random_prompts(5, 512, (1, 70), seed=block_size)        # mixed lengths crossing blocks
-    with LLM(model_dir, kvcache_block_size=block_size, max_model_len=256) as llm:
+    with LLM(model_dir, device="cpu", kvcache_block_size=block_size, max_model_len=256) as llm:
         assert generate(llm, prompts) == expected(model_dir, prompts)
 
 
@@ -45,7 +45,7 @@ def test_prefix_cache_hits_give_the_same_tokens(make_checkpoint):
     model_dir = make_checkpoint(**SHAPES["gqa2-d64"])
     prefix = random_prompts(1, 512, (40, 40), seed=7)[0]
     prompts = random_prompts(6, 512, (1, 20), seed=8, shared_prefix=prefix)
-    with LLM(model_dir, kvcache_block_size=16, max_model_len=256) as llm:
+    with LLM(model_dir, device="cpu", kvcache_block_size=16, max_model_len=256) as llm:
         first = generate(llm, prompts[:2])
         second = generate(llm, prompts)                 # most prompts now start with cached blocks
         assert llm.stats["num_prefix_cache_hit_tokens"] >= 5 * 32
@@ -56,7 +56,7 @@ def test_prefix_cache_hits_give_the_same_tokens(make_checkpoint):
 def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(make_checkpoint):
     model_dir = make_checkpoint(**SHAPES["gqa4-d128"])
     prompts = random_prompts(6, 512, (10, 40), seed=3)
-    with LLM(model_dir, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=6) as llm:
+    with LLM(model_dir, device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=6) as llm:
         out = generate(llm, prompts, max_tokens=20)
         assert llm.stats["num_preemptions"] > 0
     assert out == expected(model_dir, prompts, max_tokens=20)
@@ -65,7 +65,7 @@ def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(make_checkpoint)
 def test_chunked_prefill_gives_the_same_tokens(make_checkpoint):
     model_dir = make_checkpoint(**SHAPES["mha-d64"])
     prompts = random_prompts(4, 512, (30, 90), seed=5)
-    with LLM(model_dir, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=24) as llm:
+    with LLM(model_dir, device="cpu", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=24) as llm:
         assert generate(llm, prompts) == expected(model_dir, prompts)
 
 
@@ -79,7 +79,7 @@ def test_teacher_forced_logprobs_match_transformers(make_checkpoint):
     model_dir = make_checkpoint(**SHAPES["gqa2-d64"])
     prompts = random_prompts(3, 512, (5, 40), seed=11)
     continuations = random_prompts(3, 512, (8, 8), seed=12)
-    with LLM(model_dir, kvcache_block_size=16, max_model_len=128) as llm:
+    with LLM(model_dir, device="cpu", kvcache_block_size=16, max_model_len=128) as llm:
         ours = forced_logprobs(llm, prompts, continuations, use_graphs=False, num_forced=8)
     hf = load_hf_model(model_dir)
     with torch.inference_mode():

@@ -39,7 +39,7 @@ def test_the_converted_directory_is_a_plain_hf_checkpoint(smollm2_dir, smollm2_h
 def test_greedy_chat_matches_transformers(smollm2_dir, smollm2_hf):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = chat_prompts(tokenizer)
-    with LLM(smollm2_dir, kvcache_block_size=16, max_model_len=512) as llm:
+    with LLM(smollm2_dir, device="cpu", kvcache_block_size=16, max_model_len=512) as llm:
         # the full length, past any <|im_end|>: ignore_eos here and no eos stop in the oracle
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                                use_tqdm=False)
