@@ -95,7 +95,9 @@ class ModelRunner:
         if self.device.type == "cuda" and hasattr(self, "graphs"):
             del self.graphs, self.graph_pool
             torch.cuda.synchronize()
-        self.tp = None                       # drops this rank's process group
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     def loop(self) -> None:
         while True:

@@ -48,6 +48,14 @@ class TensorParallelGroup:
     def barrier(self, device: torch.device) -> None:
         self.all_reduce(torch.zeros(1, device=device))
 
+    def close(self) -> None:
+        """Release the communicator now rather than whenever the object is collected (NCCL has a
+        shutdown; gloo's sockets close with the object)."""
+        shutdown = getattr(self.backend, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.backend = None
+
 
 SINGLE = TensorParallelGroup()
 _building: list[TensorParallelGroup] = []   # only non-empty while a model is being constructed

@@ -84,3 +84,26 @@ def test_oversized_messages_are_refused_not_truncated(model_dir):
         with pytest.raises(RuntimeError, match="outgrows"):
             llm.model_runner.write_shm("run", b"x" * (1 << 25))
         assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 10
+
+
+def test_atexit_cleans_up_an_engine_left_running(model_dir):
+    """A script that never calls exit(): the interpreter's exit still stops the worker and unlinks
+    the shared memory."""
+    import subprocess
+    import sys
+    import textwrap
+
+    before_shm = shm_segments()
+    script = textwrap.dedent(f"""
+        import os
+        from nanovllm import LLM, SamplingParams
+        llm = LLM({str(model_dir)!r}, device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=64)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        print("worker", llm.workers.processes[0].pid, flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "leaked" not in result.stderr          # the resource tracker found nothing left to clean
+    worker_pid = int(result.stdout.split("worker")[1])
+    assert shm_segments() == before_shm
+    assert not os.path.exists(f"/proc/{worker_pid}") or "zombie" in open(f"/proc/{worker_pid}/status").read().lower()
