@@ -83,11 +83,11 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room to generate within "
                              f"max_model_len={max_len}")
-        block_size, num_blocks = self.config.kvcache_block_size, self.scheduler.block_manager.blocks
+        block_size, num_blocks = self.config.kvcache_block_size, len(self.scheduler.block_manager.blocks)
         longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
-        if (longest + block_size - 1) // block_size > len(num_blocks):
+        if (longest + block_size - 1) // block_size > num_blocks:
             raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
-                             f"{len(num_blocks)} blocks of {block_size} tokens; lower max_tokens or "
+                             f"{num_blocks} blocks of {block_size} tokens; lower max_tokens or "
                              f"give the cache more blocks")
         return Sequence(token_ids, sampling_params, block_size)
 
