@@ -51,9 +51,10 @@ RANDOM_SHAPES = ("qwen3-0.6b", "qwen3-8b")
 def default_model(device: str, shape: str = "qwen3-0.6b") -> Path:
     """A random-weight checkpoint, written once: a published Qwen3 shape in bf16 on a GPU (0.6B unless
     `shape` says 8B), a tiny one on CPU."""
+    from nanovllm.utils.gguf_checkpoint import cache_root
     from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, write_random_checkpoint
 
-    root = Path(os.environ.get("NANOVLLM_CACHE") or Path.home() / ".cache" / "nanovllm")
+    root = cache_root()
     if device == "cuda":
         path, dtype = root / f"random-{shape}", torch.bfloat16
         shape = QWEN3_8B if shape == "qwen3-8b" else QWEN3_0_6B
