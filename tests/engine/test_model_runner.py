@@ -1,0 +1,99 @@
+"""ModelRunner's step inputs: which tokens, at which positions, written to which cache slots."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.model_runner import cuda_graph_batch_sizes
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import get_context, reset_context
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BS, max_model_len=256, num_kvcache_blocks=32) as engine:
+        yield engine
+
+
+def seq(tokens, block_table, num_cached=0, num_scheduled=None):
+    s = Sequence(list(tokens), SamplingParams(), BS)
+    s.block_table = list(block_table)
+    s.num_cached_tokens = num_cached
+    s.num_scheduled_tokens = len(s) - num_cached if num_scheduled is None else num_scheduled
+    return s
+
+
+def test_graph_buckets():
+    assert cuda_graph_batch_sizes(512) == [1, 2, 4, 8] + list(range(16, 513, 16))
+    assert cuda_graph_batch_sizes(1000)[-1] == 512
+    assert cuda_graph_batch_sizes(20) == [1, 2, 4, 8, 16]
+    assert cuda_graph_batch_sizes(3) == [1, 2]
+
+
+def test_prefill_of_fresh_prompts_packs_them(llm):
+    runner = llm.model_runner
+    a, b = seq(range(20), [3, 7]), seq(range(100, 105), [9])
+    input_ids, positions = runner.prepare_prefill([a, b])
+    ctx = get_context()
+    assert input_ids.tolist() == list(range(20)) + list(range(100, 105))
+    assert positions.tolist() == list(range(20)) + list(range(5))
+    assert ctx.is_prefill and ctx.cu_seqlens_q.tolist() == ctx.cu_seqlens_k.tolist() == [0, 20, 25]
+    assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (20, 20)
+    assert ctx.slot_mapping.tolist() == ([3 * BS + i for i in range(16)] + [7 * BS + i for i in range(4)]
+                                         + [9 * BS + i for i in range(5)])
+    assert ctx.block_tables is None              # nothing cached: attend over the packed K/V
+    reset_context()
+
+
+def test_prefill_after_a_cached_prefix_or_a_chunk_reads_through_pages(llm):
+    runner = llm.model_runner
+    cached = seq(range(40), [1, 2, 5], num_cached=16)                     # first block from the cache
+    chunk = seq(range(50), [4, 6, 8, 10], num_cached=20, num_scheduled=10)  # tokens 20..29 of 50
+    input_ids, positions = runner.prepare_prefill([cached, chunk])
+    ctx = get_context()
+    assert input_ids.tolist() == list(range(16, 40)) + list(range(20, 30))
+    assert positions.tolist() == list(range(16, 40)) + list(range(20, 30))
+    assert ctx.cu_seqlens_q.tolist() == [0, 24, 34] and ctx.cu_seqlens_k.tolist() == [0, 40, 70]
+    assert ctx.slot_mapping.tolist() == ([2 * BS + i for i in range(16)] + [5 * BS + i for i in range(8)]
+                                         + [6 * BS + i for i in range(4, 14)])
+    assert ctx.block_tables.tolist() == [[1, 2, 5, -1], [4, 6, 8, 10]]
+    reset_context()
+
+
+def test_decode_computes_each_last_token_in_its_next_slot(llm):
+    runner = llm.model_runner
+    a = seq(range(17), [3, 7], num_cached=16)       # token 17 is the first of block 7
+    b = seq(range(5), [2], num_cached=4)
+    input_ids, positions = runner.prepare_decode([a, b])
+    ctx = get_context()
+    assert input_ids.tolist() == [16, 4] and positions.tolist() == [16, 4]
+    assert not ctx.is_prefill and ctx.context_lens.tolist() == [17, 5]
+    assert ctx.slot_mapping.tolist() == [7 * BS + 0, 2 * BS + 4]
+    assert ctx.block_tables.tolist() == [[3, 7], [2, -1]]
+    reset_context()
+
+
+def test_sampling_reads_each_sequence_temperature(llm):
+    seqs = [Sequence([1], SamplingParams(temperature=t), BS) for t in (0.0, 0.7)]
+    assert llm.model_runner.prepare_sample(seqs).tolist() == pytest.approx([0.0, 0.7])
+
+
+def test_kv_cache_is_one_tensor_bound_into_every_layer(llm):
+    runner, hf = llm.model_runner, llm.config.hf_config
+    assert runner.kv_cache.shape == (2, hf.num_hidden_layers, 32, BS, hf.num_key_value_heads, hf.head_dim)
+    for i, layer in enumerate(runner._attention_layers()):
+        assert layer.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr()
+        assert layer.v_cache.data_ptr() == runner.kv_cache[1, i].data_ptr()
+
+
+def test_cached_path_warmup_touches_no_scheduler_state(llm):
+    """CUDA runs it once at start, before any request: it writes scratch K/V into blocks 0 and 1
+    and leaves the block manager alone."""
+    bm = llm.scheduler.block_manager
+    before = llm.generate([[1, 2, 3] * 7], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    free_before = list(bm.free_block_ids)
+    llm.model_runner.warmup_cached_paths()
+    assert bm.used_block_ids == set() and list(bm.free_block_ids) == free_before
+    bm.hash_to_block_id.clear()          # this late, blocks 0/1 may hold a cached prefix: recompute it
+    after = llm.generate([[1, 2, 3] * 7], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert after == before
