@@ -1,3 +1,4 @@
+import math
 import pickle
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
@@ -41,9 +42,9 @@ class ModelRunner:
         self.rank = rank
         self.events = events
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.tp = self._init_tensor_parallel(store_port)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.tp = self._init_tensor_parallel(store_port)
 
         hf_config = config.hf_config
         default_dtype = torch.get_default_dtype()
@@ -82,8 +83,6 @@ class ModelRunner:
     def _init_tensor_parallel(self, store_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
             return TensorParallelGroup()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         return TensorParallelGroup.connect(self.rank, self.world_size, store_port, self.device)
 
     def exit(self) -> None:
@@ -168,12 +167,16 @@ class ModelRunner:
         finally:
             self.enforce_eager = enforce_eager
 
-    def _block_bytes(self) -> int:
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[K/V, layers, blocks, block_size, this rank's kv heads, head_dim]."""
         hf = self.config.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = hf.num_key_value_heads // self.world_size
+        return (2, hf.num_hidden_layers, num_blocks, self.block_size, hf.num_key_value_heads // self.world_size,
+                head_dim)
+
+    def _block_bytes(self) -> int:
         itemsize = torch.empty((), dtype=self.config.dtype).element_size()
-        return 2 * hf.num_hidden_layers * self.block_size * num_kv_heads * head_dim * itemsize
+        return math.prod(self._kv_cache_shape(1)) * itemsize
 
     def _num_kvcache_blocks(self) -> int:
         config, block_bytes = self.config, self._block_bytes()
@@ -194,16 +197,12 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self) -> None:
-        hf = self.config.hf_config
         num_blocks = self._num_kvcache_blocks()
         if self.world_size > 1:   # every rank must agree on the pool the scheduler hands out
             t = torch.tensor([num_blocks], device=self.device)
             num_blocks = int(self.tp.all_reduce(t, dist.ReduceOp.MIN).item())
         self.num_kvcache_blocks = num_blocks
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = hf.num_key_value_heads // self.world_size
-        self.kv_cache = torch.empty(2, hf.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=self.config.dtype, device=self.device)
+        self.kv_cache = torch.empty(self._kv_cache_shape(num_blocks), dtype=self.config.dtype, device=self.device)
         for i, layer in enumerate(self._attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
