@@ -69,10 +69,9 @@ def test_add_request_validates_before_queueing(llm, reference):
     assert_still_correct(llm, reference)
 
 
-def test_a_request_that_can_never_fit_is_refused(llm, reference):
-    # 40 blocks of 16 tokens hold 640 tokens; max_model_len 128 caps any single request below that,
-    # so build an engine where the cache is smaller than one request
-    with LLM(str(llm.config.model), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=3) as small:
+def test_a_request_that_can_never_fit_is_refused(tiny_model):
+    """3 blocks hold 48 tokens: 40 + 20 could only ever preempt itself forever; 40 + 8 fits."""
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=3) as small:
         with pytest.raises(ValueError, match="never fit"):
             small.generate([[1] * 40], SamplingParams(max_tokens=20), use_tqdm=False)
         assert len(small.generate([[1] * 40], SamplingParams(max_tokens=8), use_tqdm=False)[0]["token_ids"]) == 8
