@@ -1,30 +1,46 @@
 """Where a bench.py run spends its time: per-step wall time for prefill and decode, the host's share
-(preparing inputs) and the GPU kernels that dominate, from torch.profiler over a few steps.
+(preparing inputs), and, over a window of steady-state decode steps under torch.profiler, how much of
+each step the GPU is busy, the kernels that dominate, and the all-reduce (NCCL) time per step.
 
-    PYTHONPATH=. python benchmarks/profile_engine.py [--model DIR] [--num-seqs 256]
+    PYTHONPATH=. python benchmarks/profile_engine.py [--model DIR | --shape qwen3-8b] [--tensor-parallel-size N]
 """
 import argparse
 import sys
 from pathlib import Path
 from time import perf_counter
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import MAX_MODEL_LEN, default_model, make_workload  # noqa: E402
+from bench import MAX_MODEL_LEN, RANDOM_SHAPES, default_model, make_workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+
+
+def kernel_summary(prof, num_steps: int, wall_s: float) -> None:
+    """GPU-busy time per step (sum of kernel and memcpy times; they do not overlap on one stream)."""
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in events)
+    allreduce_us = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    launches = sum(e.count for e in events)
+    print(f"profiled window: {num_steps} decode steps, wall {wall_s / num_steps * 1e3:.2f} ms/step, "
+          f"GPU busy {busy_us / num_steps / 1e3:.2f} ms/step ({busy_us / 1e6 / wall_s:.0%}), "
+          f"{launches / num_steps:.0f} kernels/step, all-reduce {allreduce_us / num_steps / 1e3:.3f} ms/step")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--shape", choices=RANDOM_SHAPES, default="qwen3-0.6b")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the profiler")
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
-    model = args.model or default_model("cuda")
+    model = args.model or default_model("cuda", args.shape)
     workload = make_workload(args.num_seqs, 1024, 1024)
-    llm = LLM(str(model), max_model_len=MAX_MODEL_LEN)
+    llm = LLM(str(model), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=args.tensor_parallel_size,
+              enforce_eager=args.enforce_eager)
     llm.generate(["warmup"], SamplingParams(max_tokens=4), use_tqdm=False)
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):
         llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens))
@@ -42,7 +58,7 @@ def main() -> None:
 
     runner.prepare_prefill, runner.prepare_decode = timed(real_prefill, "prefill"), timed(real_decode, "decode")
     steps = {"prefill": [], "decode": []}
-    prof = None
+    prof, window_s, window_steps = None, 0.0, 0
 
     def step() -> None:
         t = perf_counter()
@@ -52,9 +68,11 @@ def main() -> None:
     while not llm.is_finished():
         if prof is None and len(steps["decode"]) == 100:          # a window of steady-state decode
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.profile_steps):
-                    if not llm.is_finished():
-                        step()
+                t = perf_counter()
+                while window_steps < args.profile_steps and not llm.is_finished():
+                    step()
+                    window_steps += 1
+                window_s = perf_counter() - t
         else:
             step()
     llm.exit()
@@ -66,8 +84,8 @@ def main() -> None:
         if rows:
             slowest = sorted(rows, reverse=True)[:3]
             print(f"  slowest steps: {', '.join(f'{s * 1e3:.1f}ms/{n}' for s, n in slowest)}")
-    if prof is not None:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    if prof is not None and window_steps:
+        kernel_summary(prof, window_steps, window_s)
 
 
 if __name__ == "__main__":
