@@ -8,6 +8,9 @@ Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128, bf16, block_size 256.
 
     PYTHONPATH=. python benchmarks/bench_kernels.py [--sweep]
 
+Sampling: one decode step's draw at batch 256 x vocab 151936 (bf16 logits, temperature 0.6): the
+Triton kernel against the same Gumbel-max in torch, eager and under torch.compile.
+
 --sweep also times a few tile configurations and split counts (printed before the table).
 """
 import argparse
@@ -21,6 +24,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
 from nanovllm.kernels.prefill_attention import prefill_attention
+from nanovllm.kernels.sampling import sample as triton_sample
+from nanovllm.layers.sampler import sample as torch_sample
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 
@@ -161,6 +166,15 @@ def bench_prefill(sweep):
     return tflops(t_ours), tflops(t_paged), tflops(t_torch), torch_desc, t_ours, t_torch
 
 
+def bench_sampling() -> list[tuple[str, float]]:
+    rows, vocab = 256, 151936
+    logits = torch.randn(rows, vocab, device="cuda", dtype=DTYPE)
+    temperatures = torch.full((rows,), 0.6, device="cuda")
+    compiled = torch.compile(torch_sample, dynamic=True)
+    return [(name, ms(lambda fn=fn: fn(logits, temperatures))) for name, fn in
+            [("Triton kernel", triton_sample), ("torch, compiled", compiled), ("torch, eager", torch_sample)]]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
@@ -171,6 +185,7 @@ def main():
     copy_bw = copy_bandwidth()
     decode = [(b, c, *bench_decode(b, c, args.sweep)) for b, c in [(256, 1024), (8, 8192)]]
     prefill = bench_prefill(args.sweep)
+    sampling = bench_sampling()
 
     print()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
@@ -187,6 +202,11 @@ def main():
     print(f"| Triton, packed K/V | {t_ours * 1e3:.0f} us | {ours:.1f} | {100 * ours / ref:.0f}% |")
     print(f"| Triton, paged K/V (block 256) | | {paged:.1f} | {100 * paged / ref:.0f}% |")
     print(f"| torch: {desc} | {t_ref * 1e3:.0f} us | {ref:.1f} | 100% |")
+    print()
+    print("| sampling 256 x 151936 bf16 logits, T=0.6 | time | GB/s of logits read |")
+    print("|---|---|---|")
+    for name, t in sampling:
+        print(f"| {name} | {t * 1e3:.0f} us | {256 * 151936 * 2 / (t * 1e-3) / 1e9:.0f} |")
 
 
 if __name__ == "__main__":
