@@ -3,6 +3,7 @@ import pickle
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -16,6 +17,7 @@ from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup, building_with
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 SHM_SIZE = 1 << 24   # 16 MiB for one pickled (method, args) message to the workers
 
 
@@ -134,7 +136,6 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "compiled"):
                 module.compiled = True
-        self.sampler.compiled = True
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -207,15 +208,19 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     # ---- per-step inputs ------------------------------------------------------------------------------
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
         if self.device.type == "cuda":
-            return torch.tensor(data, dtype=dtype, pin_memory=True).cuda(self.device, non_blocking=True)
-        return torch.tensor(data, dtype=dtype)
+            return tensor.pin_memory().cuda(self.device, non_blocking=True)
+        return tensor
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        # through numpy: it converts a list of ints several times faster than torch.tensor does
+        return self._to_device(np.array(data, dtype=_NUMPY_DTYPES[dtype]))
 
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-        return self._tensor(rows, torch.int32)
+        pad = [-1] * max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + pad[len(seq.block_table):] for seq in seqs], torch.int32)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs for tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each seq."""
@@ -245,15 +250,20 @@ class ModelRunner:
         return input_ids, positions
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each seq computes its last token, whose slot is the next free one of its last block."""
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        context_lens = [len(seq) for seq in seqs]
-        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1 for seq in seqs]
-        set_context(False, slot_mapping=self._tensor(slot_mapping, torch.int32),
-                    context_lens=self._tensor(context_lens, torch.int32),
+        """Each seq computes its last token, whose slot is the next free one of its last block.
+
+        A 256-sequence batch runs this every few milliseconds, so the per-sequence Python is one
+        attribute read per column and the arithmetic is numpy's; all columns travel in one copy."""
+        columns = np.empty((4, len(seqs)), dtype=np.int32)     # token, position, context length, slot
+        columns[0] = [seq.last_token for seq in seqs]
+        columns[2] = [seq.num_tokens for seq in seqs]
+        np.subtract(columns[2], 1, out=columns[1])
+        columns[3] = [seq.block_table[-1] for seq in seqs]
+        columns[3] = columns[3] * self.block_size + columns[1] % self.block_size
+        columns = self._to_device(columns)
+        set_context(False, slot_mapping=columns[3], context_lens=columns[2],
                     block_tables=self.prepare_block_tables(seqs))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+        return columns[0], columns[1]
 
     def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
         return self._tensor([seq.temperature for seq in seqs], torch.float32)
