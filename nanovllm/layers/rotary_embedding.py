@@ -3,6 +3,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.layers.layernorm import RMSNorm, rms_norm
+
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each (first half, second half) pair of x [N, heads, D] by its position's angle."""
@@ -18,7 +20,14 @@ def rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
 
 
+def norm_rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+                q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMS-normalize each head of q and k (Qwen3), then rotate: compiled, one kernel each for q and k."""
+    return rotate(positions, rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps), cos_sin_cache)
+
+
 rotate_compiled = torch.compile(rotate, dynamic=True)
+norm_rotate_compiled = torch.compile(norm_rotate, dynamic=True)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -47,8 +56,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
         self.compiled = False
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return (rotate_compiled if self.compiled else rotate)(positions, query, key, self.cos_sin_cache)
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+        """Rotated (query, key); with q_norm and k_norm each head is normalized first, in the same kernel."""
+        if q_norm is None:
+            return (rotate_compiled if self.compiled else rotate)(positions, query, key, self.cos_sin_cache)
+        assert k_norm is not None and q_norm.eps == k_norm.eps
+        return (norm_rotate_compiled if self.compiled else norm_rotate)(
+            positions, query, key, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 def rope_parameters(hf_config) -> tuple[float, dict | None]:
