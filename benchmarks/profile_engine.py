@@ -57,6 +57,22 @@ def main() -> None:
         return wrapper
 
     runner.prepare_prefill, runner.prepare_decode = timed(real_prefill, "prefill"), timed(real_decode, "decode")
+    # the GPU works from the first launch in run_model until the sampled tokens reach the host; the rest
+    # of a step (scheduling, preparing inputs, postprocessing) is host time during which it idles
+    device_span = {"prefill": 0.0, "decode": 0.0}
+    real_run_model, real_run = runner.run_model, runner.run
+    entered = [0.0]
+
+    def run_model(*args):
+        entered[0] = perf_counter()
+        return real_run_model(*args)
+
+    def run(seqs, is_prefill):
+        out = real_run(seqs, is_prefill)
+        device_span["prefill" if is_prefill else "decode"] += perf_counter() - entered[0]
+        return out
+
+    runner.run_model, runner.run = run_model, run
     steps = {"prefill": [], "decode": []}
     prof, window_s, window_steps = None, 0.0, 0
 
@@ -80,7 +96,8 @@ def main() -> None:
         total = sum(s for s, _ in rows)
         tokens = sum(n for _, n in rows)
         print(f"{kind}: {len(rows)} steps, {total:.2f}s, {tokens} tokens ({tokens / max(total, 1e-9):.0f} tok/s), "
-              f"preparing inputs {prepare_s[kind]:.2f}s ({prepare_s[kind] / max(total, 1e-9):.0%})")
+              f"preparing inputs {prepare_s[kind]:.2f}s ({prepare_s[kind] / max(total, 1e-9):.0%}), "
+              f"host-only time (GPU idle) {total - device_span[kind]:.2f}s ({1 - device_span[kind] / max(total, 1e-9):.0%})")
         if rows:
             slowest = sorted(rows, reverse=True)[:3]
             print(f"  slowest steps: {', '.join(f'{s * 1e3:.1f}ms/{n}' for s, n in slowest)}")
