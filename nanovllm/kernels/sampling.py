@@ -15,30 +15,49 @@ import triton.language as tl
 
 
 @triton.jit
+def _gumbel(u):
+    return -tl.log(tl.maximum(-tl.log(u), 1e-20))
+
+
+@triton.jit
+def _keep_best(best_val, best_idx, x, offs):
+    better = x > best_val                   # strict: a lane's indices only grow, so ties keep the lowest
+    return tl.where(better, x, best_val), tl.where(better, offs, best_idx)
+
+
+@triton.jit
 def _chunk_argmax_kernel(logits_ptr, temperatures_ptr, seed_ptr, best_val_ptr, best_idx_ptr,
                          vocab_size, stride_row, num_chunks,
                          CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Each step takes BLOCK logits as four quarter tiles, so that one Philox call (four numbers)
+    serves four logits: the random numbers, not the memory reads, bound this kernel."""
+    QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     seed = tl.load(seed_ptr)
+    counter = row * (num_chunks * (CHUNK // 4))       # this row's first Philox counter
 
-    best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = tl.zeros([BLOCK], dtype=tl.int32)
+    best_val = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros([QUARTER], dtype=tl.int32)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    lanes = tl.arange(0, QUARTER)
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < vocab_size
-        x = tl.load(row_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        offs0 = start + lanes
+        offs1, offs2, offs3 = offs0 + QUARTER, offs0 + 2 * QUARTER, offs0 + 3 * QUARTER
+        x0 = tl.load(row_ptr + offs0, mask=offs0 < vocab_size, other=float("-inf")).to(tl.float32) * inv_t
+        x1 = tl.load(row_ptr + offs1, mask=offs1 < vocab_size, other=float("-inf")).to(tl.float32) * inv_t
+        x2 = tl.load(row_ptr + offs2, mask=offs2 < vocab_size, other=float("-inf")).to(tl.float32) * inv_t
+        x3 = tl.load(row_ptr + offs3, mask=offs3 < vocab_size, other=float("-inf")).to(tl.float32) * inv_t
         if not greedy:
-            u = tl.rand(seed, row * vocab_size + offs)                 # uniform in [0, 1)
-            x += -tl.log(tl.maximum(-tl.log(u), 1e-20))                # Gumbel(0, 1)
-        x = tl.where(ok, x, float("-inf"))
-        better = x > best_val                                            # strict: keep the earlier index
-        best_val = tl.where(better, x, best_val)
-        best_idx = tl.where(better, offs, best_idx)
+            u0, u1, u2, u3 = tl.rand4x(seed, counter + start // 4 + lanes)    # uniform in [0, 1)
+            x0, x1, x2, x3 = x0 + _gumbel(u0), x1 + _gumbel(u1), x2 + _gumbel(u2), x3 + _gumbel(u3)
+        best_val, best_idx = _keep_best(best_val, best_idx, x0, offs0)
+        best_val, best_idx = _keep_best(best_val, best_idx, x1, offs1)
+        best_val, best_idx = _keep_best(best_val, best_idx, x2, offs2)
+        best_val, best_idx = _keep_best(best_val, best_idx, x3, offs3)
 
     top = tl.max(best_val, 0)
     # lowest index among the lanes holding the maximum (lanes never updated hold index 0 and -inf)
@@ -52,7 +71,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, chunk: int = 8192, 
     """Token ids [rows] (int64) drawn from softmax(logits / temperature), argmax where temperature is 0."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1 and temperatures.shape == (rows,)
-    chunk = min(chunk, triton.next_power_of_2(vocab_size))
+    chunk = max(64, min(chunk, triton.next_power_of_2(vocab_size)))
     block = min(block, chunk)
     num_chunks = triton.cdiv(vocab_size, chunk)
     best_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
