@@ -3,6 +3,7 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.kernels.rotary import rotate_qk
 from nanovllm.layers.layernorm import RMSNorm, rms_norm
 
 
@@ -22,12 +23,8 @@ def rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
 
 def norm_rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMS-normalize each head of q and k (Qwen3), then rotate: compiled, one kernel each for q and k."""
+    """RMS-normalize each head of q and k (Qwen3), then rotate."""
     return rotate(positions, rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps), cos_sin_cache)
-
-
-rotate_compiled = torch.compile(rotate, dynamic=True)
-norm_rotate_compiled = torch.compile(norm_rotate, dynamic=True)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -54,16 +51,19 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
-        self.compiled = False
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
-        """Rotated (query, key); with q_norm and k_norm each head is normalized first, in the same kernel."""
+        """Rotated (query, key); with q_norm and k_norm each head is normalized first. On a GPU one Triton
+        kernel does it all (torch.compile made six kernels of it, each launch costing more than its work)."""
+        assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
+        if query.is_cuda:
+            if q_norm is None:
+                return rotate_qk(positions, query, key, self.cos_sin_cache)
+            return rotate_qk(positions, query, key, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
         if q_norm is None:
-            return (rotate_compiled if self.compiled else rotate)(positions, query, key, self.cos_sin_cache)
-        assert k_norm is not None and q_norm.eps == k_norm.eps
-        return (norm_rotate_compiled if self.compiled else norm_rotate)(
-            positions, query, key, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+            return rotate(positions, query, key, self.cos_sin_cache)
+        return norm_rotate(positions, query, key, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 def rope_parameters(hf_config) -> tuple[float, dict | None]:
