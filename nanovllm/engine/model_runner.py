@@ -253,16 +253,22 @@ class ModelRunner:
         """Each seq computes its last token, whose slot is the next free one of its last block.
 
         A 256-sequence batch runs this every few milliseconds, so the per-sequence Python is one
-        attribute read per column and the arithmetic is numpy's; all columns travel in one copy."""
-        columns = np.empty((4, len(seqs)), dtype=np.int32)     # token, position, context length, slot
+        attribute read per column, the arithmetic is numpy's, and everything travels in one copy."""
+        n = len(seqs)
+        pad = [-1] * max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + pad[len(seq.block_table):] for seq in seqs]
+        flat = np.empty(4 * n + n * len(pad), dtype=np.int32)
+        columns = flat[:4 * n].reshape(4, n)                  # token, position, context length, slot
         columns[0] = [seq.last_token for seq in seqs]
         columns[2] = [seq.num_tokens for seq in seqs]
         np.subtract(columns[2], 1, out=columns[1])
         columns[3] = [seq.block_table[-1] for seq in seqs]
         columns[3] = columns[3] * self.block_size + columns[1] % self.block_size
-        columns = self._to_device(columns)
+        flat[4 * n:].reshape(n, len(pad))[:] = block_tables
+        flat = self._to_device(flat)
+        columns = flat[:4 * n].view(4, n)
         set_context(False, slot_mapping=columns[3], context_lens=columns[2],
-                    block_tables=self.prepare_block_tables(seqs))
+                    block_tables=flat[4 * n:].view(n, len(pad)))
         return columns[0], columns[1]
 
     def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
