@@ -63,7 +63,7 @@ def default_model(device: str, shape: str = "qwen3-0.6b") -> Path:
     if not (path / "config.json").is_file():
         print(f"Writing a random-weight checkpoint to {path} (once)")
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        write_random_checkpoint(partial, dtype=dtype, **shape)
+        write_random_checkpoint(partial, dtype=dtype, device=device, **shape)
         partial.rename(path)             # a crash midway never leaves a half-written checkpoint behind
     return path
 

@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the profiler")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--window-only", action="store_true", help="stop after the profiled window (the per-run "
+                        "totals then cover only the steps so far)")
     args = parser.parse_args()
     model = args.model or default_model("cuda", args.shape)
     workload = make_workload(args.num_seqs, 1024, 1024)
@@ -89,6 +91,8 @@ def main() -> None:
                     step()
                     window_steps += 1
                 window_s = perf_counter() - t
+            if args.window_only:
+                break
         else:
             step()
     llm.exit()
