@@ -75,9 +75,9 @@ class ModelRunner:
         if self.world_size > 1:
             if rank == 0:
                 self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                self.tp.barrier(self.device)
+                self.tp.announce("shared_memory")
             else:
-                self.tp.barrier(self.device)
+                self.tp.wait_for("shared_memory")
                 self.shm = SharedMemory(name=shm_name)   # spawned: shares rank 0's resource tracker
                 self.loop()
 

@@ -15,8 +15,8 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 class TensorParallelGroup:
 
-    def __init__(self, rank: int = 0, size: int = 1, backend=None):
-        self.rank, self.size, self.backend = rank, size, backend
+    def __init__(self, rank: int = 0, size: int = 1, backend=None, store=None):
+        self.rank, self.size, self.backend, self.store = rank, size, backend, store
 
     @classmethod
     def connect(cls, rank: int, size: int, store_port: int, device: torch.device) -> "TensorParallelGroup":
@@ -26,7 +26,7 @@ class TensorParallelGroup:
             backend = dist.ProcessGroupNCCL(store, rank, size, COLLECTIVE_TIMEOUT)
         else:
             backend = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
-        return cls(rank, size, backend)
+        return cls(rank, size, backend, store)
 
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
@@ -45,8 +45,14 @@ class TensorParallelGroup:
         self.backend.gather([parts] if self.rank == 0 else [], [x], opts).wait()
         return torch.cat(parts, -1) if self.rank == 0 else None
 
-    def barrier(self, device: torch.device) -> None:
-        self.all_reduce(torch.zeros(1, device=device))
+    def announce(self, key: str) -> None:
+        """Tell the other ranks, through the store, that `key` is ready (the host side, not a stream)."""
+        self.store.set(key, "1")
+
+    def wait_for(self, key: str) -> None:
+        """Block this host thread until some rank announced `key`. (A collective would not do: an NCCL
+        all-reduce returns to the host at once and only orders the GPU stream.)"""
+        self.store.wait([key])
 
     def close(self) -> None:
         """Release the communicator now rather than whenever the object is collected (NCCL has a
@@ -54,7 +60,7 @@ class TensorParallelGroup:
         shutdown = getattr(self.backend, "_shutdown", None)
         if shutdown is not None:
             shutdown()
-        self.backend = None
+        self.backend = self.store = None
 
 
 SINGLE = TensorParallelGroup()
