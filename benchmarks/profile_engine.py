@@ -20,11 +20,16 @@ def kernel_summary(prof, num_steps: int, wall_s: float) -> None:
     """GPU-busy time per step (sum of kernel and memcpy times; they do not overlap on one stream)."""
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in events)
-    allreduce_us = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
+    # NCCL's own kernels (the profiler also files their time under CPU-side records such as nccl:gather);
+    # a collective's kernel time includes waiting for the slowest rank to arrive
+    nccl = [e for e in events if e.key.startswith("ncclDevKernel")]
+    allreduce_us = sum(e.self_device_time_total for e in nccl if "AllReduce" in e.key)
+    other_us = sum(e.self_device_time_total for e in nccl if "AllReduce" not in e.key)
     launches = sum(e.count for e in events)
     print(f"profiled window: {num_steps} decode steps, wall {wall_s / num_steps * 1e3:.2f} ms/step, "
           f"GPU busy {busy_us / num_steps / 1e3:.2f} ms/step ({busy_us / 1e6 / wall_s:.0%}), "
-          f"{launches / num_steps:.0f} kernels/step, all-reduce {allreduce_us / num_steps / 1e3:.3f} ms/step")
+          f"{launches / num_steps:.0f} kernels/step, all-reduce {allreduce_us / num_steps / 1e3:.3f} ms/step, "
+          f"other collectives (logits gather) {other_us / num_steps / 1e3:.3f} ms/step")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
 
 
