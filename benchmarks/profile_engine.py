@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from time import perf_counter
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -17,8 +18,9 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 
 
 def kernel_summary(prof, num_steps: int, wall_s: float) -> None:
-    """GPU-busy time per step (sum of kernel and memcpy times; they do not overlap on one stream)."""
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    """GPU-busy time per step (sum of kernel and memcpy times; they do not overlap on one stream). Only
+    device-side events count: a CPU op's device time is its kernels' again."""
+    events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in events)
     # NCCL's own kernels (the profiler also files their time under CPU-side records such as nccl:gather);
     # a collective's kernel time includes waiting for the slowest rank to arrive
