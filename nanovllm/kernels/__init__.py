@@ -1,4 +1,6 @@
-"""Attention kernels with flash-attn 2's signatures: Triton versions, and plain-PyTorch references."""
+"""Triton kernels. Attention with flash-attn 2's signatures (exported here beside plain-PyTorch references);
+`rotary` (RoPE with an optional per-head RMSNorm) and `sampling` (one-pass Gumbel-max) serve the GPU path
+from their own modules, their torch versions living in the layers that call them."""
 from .decode_attention import flash_attn_with_kvcache
 from .prefill_attention import flash_attn_varlen_func
 from .reference import flash_attn_varlen_func as torch_flash_attn_varlen_func
