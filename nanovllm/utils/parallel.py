@@ -55,9 +55,9 @@ class TensorParallelGroup:
         self.store.wait([key])
 
     def close(self) -> None:
-        """Release the communicator now rather than whenever the object is collected (NCCL has a
-        shutdown; gloo's sockets close with the object)."""
-        shutdown = getattr(self.backend, "_shutdown", None)
+        """Release the communicator now rather than whenever the object is collected: what
+        destroy_process_group would do for a global group (without it NCCL warns at exit)."""
+        shutdown = getattr(self.backend, "shutdown", None) or getattr(self.backend, "_shutdown", None)
         if shutdown is not None:
             shutdown()
         self.backend = self.store = None
