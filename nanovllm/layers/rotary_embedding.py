@@ -57,13 +57,10 @@ class RotaryEmbedding(nn.Module):
         """Rotated (query, key); with q_norm and k_norm each head is normalized first. On a GPU one Triton
         kernel does it all (torch.compile made six kernels of it, each launch costing more than its work)."""
         assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
+        norm = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         if query.is_cuda:
-            if q_norm is None:
-                return rotate_qk(positions, query, key, self.cos_sin_cache)
-            return rotate_qk(positions, query, key, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
-        if q_norm is None:
-            return rotate(positions, query, key, self.cos_sin_cache)
-        return norm_rotate(positions, query, key, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+            return rotate_qk(positions, query, key, self.cos_sin_cache, *norm)
+        return (norm_rotate if norm else rotate)(positions, query, key, self.cos_sin_cache, *norm)
 
 
 def rope_parameters(hf_config) -> tuple[float, dict | None]:

@@ -33,7 +33,7 @@ class LlamaAttention(nn.Module):
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
-        self.qk_norm = qk_norm
+        self.q_norm = self.k_norm = None
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -43,10 +43,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)     # norms: Qwen3 only
         o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
