@@ -218,9 +218,11 @@ class ModelRunner:
         # through numpy: it converts a list of ints several times faster than torch.tensor does
         return self._to_device(np.array(data, dtype=_NUMPY_DTYPES[dtype]))
 
-    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    @staticmethod
+    def padded_block_tables(seqs: list[Sequence]) -> list[list[int]]:
+        """Each seq's block table, padded with -1 to the longest one."""
         pad = [-1] * max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + pad[len(seq.block_table):] for seq in seqs], torch.int32)
+        return [seq.block_table + pad[len(seq.block_table):] for seq in seqs]
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs for tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each seq."""
@@ -242,7 +244,7 @@ class ModelRunner:
                 slot_mapping.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
         block_tables = None
         if cu_seqlens_k[-1] > cu_seqlens_q[-1]:    # some keys are already cached: attend through pages
-            block_tables = self.prepare_block_tables(seqs)
+            block_tables = self._tensor(self.padded_block_tables(seqs), torch.int32)
         input_ids = self._tensor(input_ids, torch.int64)
         positions = self._tensor(positions, torch.int64)
         set_context(True, self._tensor(cu_seqlens_q, torch.int32), self._tensor(cu_seqlens_k, torch.int32),
@@ -255,20 +257,20 @@ class ModelRunner:
         A 256-sequence batch runs this every few milliseconds, so the per-sequence Python is one
         attribute read per column, the arithmetic is numpy's, and everything travels in one copy."""
         n = len(seqs)
-        pad = [-1] * max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + pad[len(seq.block_table):] for seq in seqs]
-        flat = np.empty(4 * n + n * len(pad), dtype=np.int32)
+        block_tables = self.padded_block_tables(seqs)
+        width = len(block_tables[0])
+        flat = np.empty(4 * n + n * width, dtype=np.int32)
         columns = flat[:4 * n].reshape(4, n)                  # token, position, context length, slot
         columns[0] = [seq.last_token for seq in seqs]
         columns[2] = [seq.num_tokens for seq in seqs]
         np.subtract(columns[2], 1, out=columns[1])
         columns[3] = [seq.block_table[-1] for seq in seqs]
         columns[3] = columns[3] * self.block_size + columns[1] % self.block_size
-        flat[4 * n:].reshape(n, len(pad))[:] = block_tables
+        flat[4 * n:].reshape(n, width)[:] = block_tables
         flat = self._to_device(flat)
         columns = flat[:4 * n].view(4, n)
         set_context(False, slot_mapping=columns[3], context_lens=columns[2],
-                    block_tables=flat[4 * n:].view(n, len(pad)))
+                    block_tables=flat[4 * n:].view(n, width))
         return columns[0], columns[1]
 
     def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
