@@ -15,17 +15,20 @@ Triton kernel against the same Gumbel-max in torch, eager and under torch.compil
 """
 import argparse
 import inspect
-import math
+import sys
+from pathlib import Path
 
 import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.sampling import sample as triton_sample
 from nanovllm.layers.sampler import sample as torch_sample
+from bench import measure_bandwidth    # the copy bandwidth bench.py's floor uses
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 
@@ -35,15 +38,6 @@ def ms(fn, graph=False):
     if graph:
         return do_bench_cudagraph(fn, rep=200, return_mode="median")
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30                                        # 1 GiB each way
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    t = ms(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * n / (t * 1e-3)
 
 
 def decode_inputs(batch, ctx):
@@ -182,7 +176,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     torch.manual_seed(0)
-    copy_bw = copy_bandwidth()
+    copy_bw = measure_bandwidth(torch.device("cuda"))
     decode = [(b, c, *bench_decode(b, c, args.sweep)) for b, c in [(256, 1024), (8, 8192)]]
     prefill = bench_prefill(args.sweep)
     sampling = bench_sampling()
