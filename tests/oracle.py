@@ -1,6 +1,15 @@
-"""Hugging Face transformers as the oracle: greedy continuations of the same checkpoint."""
+"""Hugging Face transformers as the oracle: greedy continuations of the same checkpoint, and the random
+token prompts both engines are given."""
+import random
+
 import torch
 from transformers import AutoModelForCausalLM
+
+
+def random_prompts(n, vocab, lengths, seed=0, shared_prefix=()):
+    """n prompts of ids in [0, vocab) with lengths uniform in `lengths` (inclusive), after shared_prefix."""
+    rng = random.Random(seed)
+    return [list(shared_prefix) + [rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
 def load_hf_model(model_dir, dtype=torch.float32, device="cpu"):

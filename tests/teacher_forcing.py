@@ -1,9 +1,9 @@
 """Teacher forcing through the engine's own model runner: log-probs at the last prompt position and at
 each decode step of a given continuation, with or without CUDA graphs (GPU tests)."""
-import random
 
 import torch
 
+import oracle
 from nanovllm import SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import reset_context
@@ -13,8 +13,8 @@ TIE_MARGIN = 0.1     # nats: closer top-2 logits are near-ties that bf16 roundin
 
 
 def random_prompts(n, seed, lengths=(20, 300)):
-    rng = random.Random(seed)
-    return [[rng.randrange(10000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+    """The GPU tests' prompts: ids below 10,000, as in bench.py's workload."""
+    return oracle.random_prompts(n, 10000, lengths, seed)
 
 
 @torch.inference_mode()

@@ -1,12 +1,11 @@
 """Llama and Qwen2 (and Qwen3's bias option) with random weights: nanovllm's greedy decoding in float32
 on CPU is token-identical to transformers' on the same checkpoint."""
 import json
-import random
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from oracle import hf_greedy, load_hf_model
+from oracle import hf_greedy, load_hf_model, random_prompts
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=64)
@@ -26,11 +25,6 @@ CHECKPOINTS = {
                                  head_dim=32, attention_bias=True),
 }
 MAX_TOKENS = 16
-
-
-def random_prompts(n, vocab, lengths, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)

@@ -1,10 +1,9 @@
 """Greedy decoding in nanovllm (float32, CPU) is token-identical to transformers' on the same checkpoint."""
-import random
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from oracle import hf_greedy, load_hf_model
+from oracle import hf_greedy, load_hf_model, random_prompts
 
 SHAPES = {
     "mha-d64": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64, hidden_size=64),
@@ -14,11 +13,6 @@ SHAPES = {
                           tie_word_embeddings=True),
 }
 MAX_TOKENS = 12
-
-
-def random_prompts(n, vocab, lengths, seed=0, shared_prefix=()):
-    rng = random.Random(seed)
-    return [list(shared_prefix) + [rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
 def expected(model_dir, prompts, max_tokens=MAX_TOKENS):
