@@ -3,6 +3,7 @@ import pytest
 from nanovllm import SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
+from block_invariants import check_invariants
 
 BS = 4
 
@@ -16,21 +17,6 @@ def computed(bm: BlockManager, seq: Sequence) -> Sequence:
     seq.num_cached_tokens = seq.num_tokens
     bm.hash_blocks(seq)
     return seq
-
-
-def check_invariants(bm: BlockManager, seqs):
-    holders = {}
-    for seq in seqs:
-        assert len(set(seq.block_table)) == len(seq.block_table), "a sequence holds a block twice"
-        for block_id in seq.block_table:
-            holders[block_id] = holders.get(block_id, 0) + 1
-    for block in bm.blocks:
-        assert block.ref_count == holders.get(block.block_id, 0)
-    assert set(holders) == bm.used_block_ids
-    assert len(bm.free_block_ids) + len(bm.used_block_ids) == len(bm.blocks)
-    assert not set(bm.free_block_ids) & bm.used_block_ids
-    for h, block_id in bm.hash_to_block_id.items():
-        assert bm.blocks[block_id].hash == h
 
 
 def test_allocate_takes_one_block_per_started_block_of_tokens():
