@@ -1,5 +1,5 @@
 """Where a bench.py run spends its time: per-step wall time for prefill and decode, the host's share
-(preparing inputs), and, over a window of steady-state decode steps under torch.profiler, how much of
+(preparing inputs; waiting for the device, which is ~0 when the host is the slower side), and, over a window of steady-state decode steps under torch.profiler, how much of
 each step the GPU is busy, the kernels that dominate, and the all-reduce (NCCL) time per step.
 
     PYTHONPATH=. python benchmarks/profile_engine.py [--model DIR | --shape qwen3-8b] [--tensor-parallel-size N]
@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import MAX_MODEL_LEN, RANDOM_SHAPES, default_model, make_workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.model_runner import SampledTokens  # noqa: E402
 
 
 def kernel_summary(prof, num_steps: int, wall_s: float) -> None:
@@ -66,29 +67,28 @@ def main() -> None:
         return wrapper
 
     runner.prepare_prefill, runner.prepare_decode = timed(real_prefill, "prefill"), timed(real_decode, "decode")
-    # the GPU works from the first launch in run_model until the sampled tokens reach the host; the rest
-    # of a step (scheduling, preparing inputs, postprocessing) is host time during which it idles
-    device_span = {"prefill": 0.0, "decode": 0.0}
-    real_run_model, real_run = runner.run_model, runner.run
-    entered = [0.0]
+    # the engine launches step t+1 before it waits for step t's tokens: the time spent waiting is the
+    # host idling on the device; the rest of a step's wall time is host work (scheduling, preparing
+    # inputs, launching, postprocessing), which the device overlaps unless it is the longer of the two
+    waited_s = {"prefill": 0.0, "decode": 0.0}
+    real_tolist = SampledTokens.tolist
+    kind_of_step = ["prefill"]
 
-    def run_model(*args):
-        entered[0] = perf_counter()
-        return real_run_model(*args)
-
-    def run(seqs, is_prefill):
-        out = real_run(seqs, is_prefill)
-        device_span["prefill" if is_prefill else "decode"] += perf_counter() - entered[0]
+    def tolist(self):
+        t = perf_counter()
+        out = real_tolist(self)
+        waited_s[kind_of_step[0]] += perf_counter() - t
         return out
 
-    runner.run_model, runner.run = run_model, run
+    SampledTokens.tolist = tolist
     steps = {"prefill": [], "decode": []}
     prof, window_s, window_steps = None, 0.0, 0
 
     def step() -> None:
         t = perf_counter()
         _, num_tokens = llm.step()
-        steps["prefill" if num_tokens > 0 else "decode"].append((perf_counter() - t, abs(num_tokens)))
+        kind_of_step[0] = "prefill" if num_tokens > 0 else "decode"    # waits in the next step are for this one
+        steps[kind_of_step[0]].append((perf_counter() - t, abs(num_tokens)))
 
     while not llm.is_finished():
         if prof is None and len(steps["decode"]) == 100:          # a window of steady-state decode
@@ -108,7 +108,7 @@ def main() -> None:
         tokens = sum(n for _, n in rows)
         print(f"{kind}: {len(rows)} steps, {total:.2f}s, {tokens} tokens ({tokens / max(total, 1e-9):.0f} tok/s), "
               f"preparing inputs {prepare_s[kind]:.2f}s ({prepare_s[kind] / max(total, 1e-9):.0%}), "
-              f"host-only time (GPU idle) {total - device_span[kind]:.2f}s ({1 - device_span[kind] / max(total, 1e-9):.0%})")
+              f"host waiting for the device {waited_s[kind]:.2f}s ({waited_s[kind] / max(total, 1e-9):.0%})")
         if rows:
             slowest = sorted(rows, reverse=True)[:3]
             print(f"  slowest steps: {', '.join(f'{s * 1e3:.1f}ms/{n}' for s, n in slowest)}")

@@ -1,11 +1,11 @@
 """The paged KV cache's invariants, checked by the block manager and scheduler tests."""
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING, Sequence
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     """Reference counts are the number of live holders; every block is free or used, never both;
-    a hashed block holds the very tokens of the prefix block it is registered for."""
+    a hashed block holds the very tokens of the prefix block it is registered for, all of them known."""
     holders: dict[int, int] = {}
     for seq in live:
         assert len(set(seq.block_table)) == len(seq.block_table), "a sequence holds a block twice"
@@ -24,3 +24,4 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     for h, block_id in bm.hash_to_block_id.items():
         block = bm.blocks[block_id]
         assert block.hash == h and len(block.token_ids) == bm.block_size
+        assert PENDING not in block.token_ids, "a block was hashed before its tokens were known"

@@ -95,7 +95,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> None:
         """Give seq blocks for all its tokens, reusing cached prefix blocks (num_cached_tokens counts them)."""
-        assert not seq.block_table
+        assert not seq.block_table and not seq.num_pending_tokens
         hits = self._cached_prefix(seq)
         for block_id in hits:
             self._revive_or_share(block_id)
@@ -123,10 +123,11 @@ class BlockManager:
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Register seq's full blocks whose KV is now computed, so later requests can hit them."""
+        """Register seq's full blocks whose KV is computed (or being computed: later readers queue
+        behind it on the device) and whose tokens are known, so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
-        end = seq.num_cached_blocks
+        end = min(seq.num_cached_tokens, seq.num_tokens - seq.num_pending_tokens) // self.block_size
         start = end
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1

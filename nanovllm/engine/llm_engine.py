@@ -22,6 +22,7 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names - {'model'})}")
         self._exited = True
+        self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
         config = Config(model, **kwargs)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -97,19 +98,27 @@ class LLMEngine:
         return seq.seq_id
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """One batch. Returns finished (seq_id, completion token ids) and the tokens computed
-        (positive for prefill, negative for decode: the tqdm bar tells them apart)."""
+        """Schedule and launch one batch, then collect the batch launched before it: the device runs
+        one step while the host prepares the next. Returns finished (seq_id, completion token ids) and
+        the tokens launched (positive for prefill, negative for decode: the tqdm bar tells them apart)."""
         seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        launched, num_tokens = None, 0
+        if seqs:
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+            check_workers(self.workers)
+            sampled = self.model_runner.call("run", seqs, is_prefill)
+            launched = (self.scheduler.launched(seqs), sampled)
+        elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        check_workers(self.workers)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
+            return [], num_tokens
+        awaiting, sampled = previous
+        finished = self.scheduler.postprocess(awaiting, sampled.tolist())
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     @property
     def stats(self) -> dict:
@@ -143,7 +152,7 @@ class LLMEngine:
                 elapsed = perf_counter() - t
                 if num_tokens > 0:
                     prefill_throughput = num_tokens / elapsed
-                else:
+                elif num_tokens < 0:
                     decode_throughput = -num_tokens / elapsed
                 if use_tqdm:
                     stats = self.stats
@@ -155,6 +164,7 @@ class LLMEngine:
                         outputs[seq_id] = token_ids
                         pbar.update(1)
         except BaseException:
+            self._in_flight = None
             self.scheduler.abort_all()      # free every block; the engine stays usable
             raise
         finally:

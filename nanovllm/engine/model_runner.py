@@ -1,5 +1,6 @@
 import math
 import pickle
+import time
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
@@ -25,6 +26,26 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512)."""
     largest = min(max_num_seqs, 512)
     return [bs for bs in (1, 2, 4, 8) if bs <= largest] + list(range(16, largest + 1, 16))
+
+
+class SampledTokens:
+    """A step's sampled token ids on their way to the host: the copy is queued behind the step, and
+    only tolist() waits for it, so the host can prepare and launch the next step meanwhile."""
+
+    def __init__(self, token_ids: torch.Tensor):
+        self.ready = None
+        if token_ids.is_cuda:
+            self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self.host.copy_(token_ids, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = token_ids
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -58,6 +79,10 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.sampler = Sampler()
+        # the last step's sampled tokens (on every rank) and each sequence's row in them: a decode input
+        # whose token is still PENDING on the host is taken from here, on the device
+        self.sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.sampled_rows: dict[int, int] = {}
         self.ops = attention_ops(config.attention_backend)
         if not self.enforce_eager:
             self._use_compiled_layers()
@@ -121,6 +146,10 @@ class ModelRunner:
         n = len(data)
         if n + 4 > SHM_SIZE:
             raise RuntimeError(f"a {method_name!r} message of {n} bytes outgrows the {SHM_SIZE}-byte shared buffer")
+        # rank 0 no longer waits for a step's results before sending the next one, so wait here until
+        # every worker has read the previous message (a worker clears its event once it has)
+        while any(event.is_set() for event in self.events):
+            time.sleep(20e-6)
         self.shm.buf[0:4] = n.to_bytes(4, "little")
         self.shm.buf[4:n + 4] = data
         for event in self.events:
@@ -252,26 +281,36 @@ class ModelRunner:
         return input_ids, positions
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each seq computes its last token, whose slot is the next free one of its last block.
+        """Each seq computes its last token, whose slot is the next free one of its last block. A last
+        token still PENDING (sampled by the step before, not yet on the host) is read on the device.
 
         A 256-sequence batch runs this every few milliseconds, so the per-sequence Python is one
         attribute read per column, the arithmetic is numpy's, and everything travels in one copy."""
         n = len(seqs)
         block_tables = self.padded_block_tables(seqs)
         width = len(block_tables[0])
-        flat = np.empty(4 * n + n * width, dtype=np.int32)
-        columns = flat[:4 * n].reshape(4, n)                  # token, position, context length, slot
+        flat = np.empty(5 * n + n * width, dtype=np.int32)
+        columns = flat[:5 * n].reshape(5, n)     # token, position, context length, slot, row in self.sampled
         columns[0] = [seq.last_token for seq in seqs]
         columns[2] = [seq.num_tokens for seq in seqs]
         np.subtract(columns[2], 1, out=columns[1])
         columns[3] = [seq.block_table[-1] for seq in seqs]
         columns[3] = columns[3] * self.block_size + columns[1] % self.block_size
-        flat[4 * n:].reshape(n, width)[:] = block_tables
+        pending = columns[0] == PENDING
+        any_pending = bool(pending.any())
+        if any_pending:
+            rows = self.sampled_rows
+            columns[4] = [rows[seq.seq_id] if p else -1 for seq, p in zip(seqs, pending.tolist())]
+        flat[5 * n:].reshape(n, width)[:] = block_tables
         flat = self._to_device(flat)
-        columns = flat[:4 * n].view(4, n)
+        columns = flat[:5 * n].view(5, n)
         set_context(False, slot_mapping=columns[3], context_lens=columns[2],
-                    block_tables=flat[4 * n:].view(n, width))
-        return columns[0], columns[1]
+                    block_tables=flat[5 * n:].view(n, width))
+        input_ids = columns[0]
+        if any_pending:
+            rows = columns[4]
+            input_ids = torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], input_ids)
+        return input_ids, columns[1]
 
     def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
         return self._tensor([seq.temperature for seq in seqs], torch.float32)
@@ -295,13 +334,19 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         return self.model.compute_logits(v["outputs"][:bs])
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
+        """Launch one step; rank 0 gets its sampled tokens (one per seq) as they will arrive."""
         input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
         logits = self.run_model(input_ids, positions, is_prefill)
-        token_ids = self.sampler(logits, temperatures).tolist() if self.rank == 0 else None
+        if self.rank == 0:
+            token_ids = self.sampler(logits, temperatures)
+        else:
+            token_ids = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
+        self.tp.broadcast_from_first(token_ids)       # every rank feeds them to its next decode step
+        self.sampled, self.sampled_rows = token_ids, {seq.seq_id: i for i, seq in enumerate(seqs)}
         reset_context()
-        return token_ids
+        return SampledTokens(token_ids) if self.rank == 0 else None
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

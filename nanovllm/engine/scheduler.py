@@ -8,6 +8,12 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 class Scheduler:
     """Continuous batching: each step is either a prefill batch (new prompts first) or a decode batch.
 
+    A step is `schedule()`, then `launched()` once the device has it, then `postprocess()` when its
+    sampled tokens arrive. In between the engine may schedule and launch the next step: `launched()`
+    gives each sampling sequence a PENDING placeholder, so the next step's positions and blocks are
+    known before the token is. A sequence that stops on eos is found one step late and its extra step
+    dropped; one that reaches its length limit is known at launch and never scheduled past it.
+
     Prompts longer than the step's token budget are prefilled in chunks; a partly prefilled sequence
     stays at the head of `waiting`, holding its blocks, and goes on next step. When decode runs out of
     blocks, the newest running sequences are preempted: their blocks are freed and they are recomputed
@@ -23,6 +29,7 @@ class Scheduler:
                                           config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.finishing: set[Sequence] = set()   # launched up to their last token, which is still pending
         self.num_preemptions = 0
         self.num_lookup_tokens = 0       # prompt tokens checked against the prefix cache
         self.num_hit_tokens = 0          # ... of which were found there
@@ -31,7 +38,7 @@ class Scheduler:
         self.num_peak_used_blocks = 0
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.finishing
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,33 +98,61 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Account for the step's computed tokens, append sampled ones, and finish what is done."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids):
+    def launched(self, seqs: list[Sequence]) -> list[Sequence | None]:
+        """The step is on the device: count its tokens as computed and give every sequence it samples
+        for a placeholder. Returns, row by row, the sequence waiting for that row's sampled token."""
+        awaiting: list[Sequence | None] = []
+        for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.hash_blocks(seq)
             if seq.num_cached_tokens < seq.num_tokens:
-                continue                    # a prefill chunk: no token to sample yet
-            seq.append_token(token_id)
-            if ((not seq.ignore_eos and token_id in self.eos_token_ids)
-                    or seq.num_completion_tokens == seq.max_tokens or seq.num_tokens >= self.max_model_len):
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+                awaiting.append(None)       # a prefill chunk: its sampled token means nothing
+                continue
+            seq.append_pending()
+            awaiting.append(seq)
+            if seq.num_completion_tokens == seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.running.remove(seq)    # nothing more to compute: it ends when this token arrives
+                self.finishing.add(seq)
+        return awaiting
+
+    def postprocess(self, awaiting: list[Sequence | None], token_ids: list[int]) -> list[Sequence]:
+        """A launched step's tokens arrived: fill the placeholders and finish what is done."""
+        finished = []
+        for seq, token_id in zip(awaiting, token_ids):
+            if seq is None or seq.is_finished:  # a chunk, or stopped on eos one step before
+                continue
+            seq.fill_pending(token_id)
+            self.block_manager.hash_blocks(seq)
+            last = seq in self.finishing and not seq.num_pending_tokens
+            if last or (not seq.ignore_eos and token_id in self.eos_token_ids):
+                self._finish(seq)
                 finished.append(seq)
         return finished
 
+    def _finish(self, seq: Sequence) -> None:
+        seq.drop_pending()
+        if seq in self.finishing:
+            self.finishing.remove(seq)
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)        # preempted while its last step was still in flight
+        seq.status = SequenceStatus.FINISHED
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+
     def abort_all(self) -> None:
         """Drop every request and free its blocks (after a failed step)."""
-        for seq in (*self.running, *self.waiting):
+        for seq in (*self.running, *self.waiting, *self.finishing):
             if seq.block_table:
                 self.block_manager.deallocate(seq)
+            seq.drop_pending()
             seq.status = SequenceStatus.FINISHED
             seq.num_scheduled_tokens = 0
         self.running.clear()
         self.waiting.clear()
+        self.finishing.clear()
 
     def stats(self) -> dict:
         return {

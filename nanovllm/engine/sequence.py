@@ -4,6 +4,8 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+PENDING = -1    # stands in for a token the device is still sampling (the next step is scheduled before it arrives)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -25,6 +27,7 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0       # tokens whose KV is already in the cache
         self.num_scheduled_tokens = 0    # tokens this step computes, from num_cached_tokens on
+        self.num_pending_tokens = 0      # trailing PENDING placeholders (at most one per step in flight)
         self.block_table: list[int] = []
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
@@ -53,10 +56,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
@@ -72,6 +71,27 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
+    def append_pending(self) -> None:
+        self.append_token(PENDING)
+        self.num_pending_tokens += 1
+
+    def fill_pending(self, token_id: int) -> None:
+        """The oldest placeholder's token arrived."""
+        assert self.num_pending_tokens > 0
+        i = self.num_tokens - self.num_pending_tokens
+        self.token_ids[i] = token_id
+        self.num_pending_tokens -= 1
+        if i == self.num_tokens - 1:
+            self.last_token = token_id
+
+    def drop_pending(self) -> None:
+        """Forget the placeholders of steps that ran past the end (the sequence stopped before them)."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_tokens -= self.num_pending_tokens
+            self.num_pending_tokens = 0
+            self.last_token = self.token_ids[-1]
 
     # Workers get a compact copy each step: the full token list only while a prefill needs it,
     # otherwise just the last token (decode computes one token whose position follows from num_tokens).

@@ -45,6 +45,14 @@ class TensorParallelGroup:
         self.backend.gather([parts] if self.rank == 0 else [], [x], opts).wait()
         return torch.cat(parts, -1) if self.rank == 0 else None
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite x on every rank with rank 0's x."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.backend.broadcast([x], opts).wait()
+        return x
+
     def announce(self, key: str) -> None:
         """Tell the other ranks, through the store, that `key` is ready (the host side, not a stream)."""
         self.store.set(key, "1")

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 
 BS = 4
 EOS = 0
@@ -22,7 +22,7 @@ def seq(n, first=1, **kw):
 def run_step(s: Scheduler, token=7):
     """One schedule + postprocess, as if the model sampled `token` for every sequence."""
     seqs, is_prefill = s.schedule()
-    finished = s.postprocess(seqs, [token] * len(seqs))
+    finished = s.postprocess(s.launched(seqs), [token] * len(seqs))
     return seqs, is_prefill, finished
 
 
@@ -34,7 +34,7 @@ def test_prefill_first_then_decode():
     assert is_prefill and seqs == [a, b]
     assert [x.num_scheduled_tokens for x in seqs] == [5, 3]
     assert a.status == b.status == SequenceStatus.RUNNING
-    s.postprocess(seqs, [7, 8])
+    s.postprocess(s.launched(seqs), [7, 8])
     assert a.completion_token_ids == [7] and b.completion_token_ids == [8]
     seqs, is_prefill = s.schedule()
     assert not is_prefill and seqs == [a, b] and all(x.num_scheduled_tokens == 1 for x in seqs)
@@ -46,7 +46,7 @@ def test_prefill_batch_respects_max_num_seqs():
         s.add(seq(2, first=10 * i + 1))
     seqs, is_prefill = s.schedule()
     assert is_prefill and len(seqs) == 2 and len(s.waiting) == 1
-    s.postprocess(seqs, [7, 7])
+    s.postprocess(s.launched(seqs), [7, 7])
     seqs, is_prefill = s.schedule()          # running is full: the third waits, decode goes on
     assert not is_prefill and len(seqs) == 2
 
@@ -58,7 +58,7 @@ def test_token_budget_chunks_a_long_prompt():
     seqs, is_prefill = s.schedule()
     assert is_prefill and seqs == [a, b] and b.num_scheduled_tokens == 3   # 5 + 3 fills the budget
     assert s.waiting[0] is b and b.status == SequenceStatus.WAITING and len(b.block_table) == 5
-    s.postprocess(seqs, [7, 9])
+    s.postprocess(s.launched(seqs), [7, 9])
     assert a.completion_token_ids == [7]
     assert b.completion_token_ids == [] and b.num_cached_tokens == 3      # a chunk samples nothing
     chunks = []
@@ -100,7 +100,7 @@ def test_preempted_sequence_recomputes_and_revives_its_cached_blocks():
     run_step(s)
     s.schedule()                                  # a needs a 3rd block... b is preempted first
     assert list(s.waiting) == [b]
-    s.postprocess([a], [5])
+    s.postprocess(s.launched([a]), [5])
     s.preempt(a)
     seqs, is_prefill = s.schedule()
     assert is_prefill and seqs[0] is a and a.num_cached_tokens == 8   # two full blocks revived
@@ -135,3 +135,68 @@ def test_abort_all_frees_everything():
     run_step(s)                                   # a running, b partly prefilled
     s.abort_all()
     assert s.is_finished() and s.block_manager.num_free_blocks == 64
+
+
+# ---- pipelined steps: the next step is scheduled and launched before this one's tokens arrive -------
+
+def test_next_step_is_scheduled_before_the_sampled_token_arrives():
+    s = scheduler()
+    a = seq(3)
+    s.add(a)
+    first = s.launched(s.schedule()[0])
+    assert first == [a] and a.token_ids == [1, 2, 3, PENDING] and a.num_cached_tokens == 3
+    seqs, is_prefill = s.schedule()            # decode of the pending token: position 3, context of 4
+    assert not is_prefill and seqs == [a] and len(a) == 4
+    second = s.launched(seqs)
+    assert a.token_ids == [1, 2, 3, PENDING, PENDING] and a.num_cached_tokens == 4
+    s.postprocess(first, [7])
+    assert a.token_ids == [1, 2, 3, 7, PENDING] and a.last_token == PENDING
+    s.postprocess(second, [8])
+    assert a.completion_token_ids == [7, 8] and a.last_token == 8
+
+
+def test_eos_is_found_one_step_late_and_the_extra_step_is_dropped():
+    s = scheduler()
+    a = seq(3)
+    s.add(a)
+    first = s.launched(s.schedule()[0])
+    second = s.launched(s.schedule()[0])       # already on its way when a's eos arrives
+    assert s.postprocess(first, [EOS]) == [a]
+    assert a.completion_token_ids == [EOS] and not a.block_table and s.is_finished()
+    assert s.postprocess(second, [9]) == [] and a.completion_token_ids == [EOS]
+
+
+def test_a_sequence_at_its_length_limit_is_not_scheduled_past_it():
+    s = scheduler()
+    a = seq(3, max_tokens=2)
+    s.add(a)
+    first = s.launched(s.schedule()[0])
+    second = s.launched(s.schedule()[0])       # computes the 2nd and last token
+    assert a in s.finishing and not s.running and not s.is_finished()
+    assert s.schedule() == ([], False)
+    assert s.postprocess(first, [7]) == []     # the last token is still to come
+    assert s.postprocess(second, [8]) == [a] and a.completion_token_ids == [7, 8] and s.is_finished()
+
+
+def test_a_sequence_preempted_in_flight_gets_its_token_and_recomputes_it():
+    s = scheduler(num_blocks=2)
+    a, b = seq(4), seq(4, first=20)
+    s.add(a), s.add(b)
+    first = s.launched(s.schedule()[0])        # both prefilled: each token starts a second block
+    seqs, _ = s.schedule()                     # only one can grow: b is preempted before 7 arrives
+    assert seqs == [a] and list(s.waiting) == [b] and b.token_ids[-1] == PENDING
+    second = s.launched(seqs)
+    s.postprocess(first, [7, 8])
+    assert b.token_ids == [20, 21, 22, 23, 8] and b.num_cached_tokens == 0
+    s.postprocess(second, [9])
+    assert a.completion_token_ids == [7, 9]
+
+
+def test_a_sequence_preempted_in_flight_can_still_stop_on_eos():
+    s = scheduler(num_blocks=2)
+    a, b = seq(4), seq(4, first=20)
+    s.add(a), s.add(b)
+    first = s.launched(s.schedule()[0])
+    s.launched(s.schedule()[0])                # b preempted, a goes on
+    assert s.postprocess(first, [7, EOS]) == [b]
+    assert not s.waiting and b.is_finished and b.completion_token_ids == [EOS]

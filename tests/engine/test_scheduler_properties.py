@@ -1,50 +1,77 @@
 """Randomized runs of the scheduler and block manager with a fake model, checking the invariants
-of the paged KV cache after every step."""
+of the paged KV cache after every step, and that what each request generates depends on its prompt
+alone: not on when it arrived, on preemption, or on whether steps are pipelined."""
 import random
 from types import SimpleNamespace
 
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 from block_invariants import check_invariants
 
 EOS = 0
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_keep_the_cache_consistent(seed):
+def fake_model(seq: Sequence | None) -> int:
+    """The token a deterministic 'model' samples after seq's known tokens (EOS about one time in ten).
+    The oldest placeholder is the one this step's token fills, so every token before it is known."""
+    if seq is None or seq.is_finished:
+        return 1                                   # a row nobody reads
+    prefix = seq.token_ids[:seq.num_tokens - seq.num_pending_tokens]
+    assert PENDING not in prefix
+    return hash(tuple(prefix)) % 10
+
+
+def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, list[int]]]:
+    """Requests arrive at random steps; with `pipelined`, each step is scheduled and launched before the
+    previous one's tokens are postprocessed, as the engine does. Returns completions by arrival index."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(8, 16) * (8 // block_size)    # room for 64 to 128 tokens: preemptions
     config = SimpleNamespace(max_num_seqs=rng.randint(4, 8), max_num_batched_tokens=rng.randint(4, 40),
                              max_model_len=64, eos_token_ids=frozenset({EOS}), kvcache_block_size=block_size,
                              enable_prefix_caching=rng.random() < 0.8)
-    s = Scheduler(config, num_blocks)
     prefixes = [[rng.randint(1, 9) for _ in range(rng.randint(0, 12))] for _ in range(3)]
-    live: list[Sequence] = []
-    finished = 0
-    for step in range(400):
-        if rng.random() < 0.4 and len(live) < 16:              # arrivals at random times
-            prompt = rng.choice(prefixes) + [rng.randint(1, 9) for _ in range(rng.randint(1, 12))]
-            max_tokens = rng.randint(1, 40)
-            if (min(len(prompt) + max_tokens, 64) + block_size - 1) // block_size <= num_blocks:
-                seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.5),
-                               block_size)
-                s.add(seq)
-                live.append(seq)
-        if s.is_finished():
-            continue
-        seqs, _ = s.schedule()
-        assert seqs, "no progress although requests are pending"
-        tokens = [EOS if rng.random() < 0.05 else rng.randint(1, 9) for _ in seqs]
-        for seq in s.postprocess(seqs, tokens):
-            assert seq.status == SequenceStatus.FINISHED and not seq.block_table
-            live.remove(seq)
-            finished += 1
-        check_invariants(s.block_manager, live)
-    assert finished >= 10 and s.num_decoded_tokens > 100
-    assert s.num_preemptions > 0
+    arrivals: dict[int, list[Sequence]] = {}
+    for _ in range(60):
+        prompt = rng.choice(prefixes) + [rng.randint(1, 9) for _ in range(rng.randint(1, 12))]
+        max_tokens = rng.randint(1, 40)
+        if (min(len(prompt) + max_tokens, 64) + block_size - 1) // block_size <= num_blocks:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.3)
+            arrivals.setdefault(rng.randint(0, 300), []).append(Sequence(prompt, params, block_size))
+    requests = [seq for step in sorted(arrivals) for seq in arrivals[step]]
 
+    s = Scheduler(config, num_blocks)
+    live: list[Sequence] = []
+    in_flight = None
+    step = 0
+    while step <= 300 or not s.is_finished() or in_flight is not None:
+        for seq in arrivals.get(step, []):
+            s.add(seq)
+            live.append(seq)
+        step += 1
+        seqs, _ = s.schedule()
+        launched = s.launched(seqs) if seqs else None
+        assert seqs or in_flight is not None or s.is_finished(), "no progress although requests are pending"
+        previous, in_flight = (in_flight, launched) if pipelined else (launched, None)
+        if previous is not None:
+            for seq in s.postprocess(previous, [fake_model(seq) for seq in previous]):
+                assert seq.status == SequenceStatus.FINISHED and not seq.block_table
+                assert seq.num_completion_tokens <= seq.max_tokens and PENDING not in seq.token_ids
+                assert seq.num_completion_tokens == seq.max_tokens or len(seq) == 64 or (
+                    not seq.ignore_eos and seq.last_token == EOS)
+                live.remove(seq)
+        check_invariants(s.block_manager, live)
+    assert not live and all(seq.is_finished for seq in requests)
+    return s, {i: seq.completion_token_ids for i, seq in enumerate(requests)}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_output(seed):
+    sync, sync_outputs = run_workload(seed, pipelined=False)
+    piped, piped_outputs = run_workload(seed, pipelined=True)
+    assert piped_outputs == sync_outputs
+    assert len(sync_outputs) >= 40 and sync.num_decoded_tokens > 300
+    assert sync.num_preemptions > 0 and piped.num_preemptions > 0
