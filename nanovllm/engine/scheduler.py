@@ -90,7 +90,9 @@ class Scheduler:
                 scheduled.append(seq)
         self.num_decoded_tokens += len(scheduled)
         self.running.extendleft(reversed(scheduled))
-        return scheduled
+        # longest context first: the attention kernel's programs start in batch order, so its last
+        # wave is then made of short sequences instead of a long one that the whole GPU waits for
+        return sorted(scheduled, key=len, reverse=True)
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

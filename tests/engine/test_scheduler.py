@@ -200,3 +200,14 @@ def test_a_sequence_preempted_in_flight_can_still_stop_on_eos():
     s.launched(s.schedule()[0])                # b preempted, a goes on
     assert s.postprocess(first, [7, EOS]) == [b]
     assert not s.waiting and b.is_finished and b.completion_token_ids == [EOS]
+
+
+def test_decode_batch_comes_longest_first_and_preemption_order_is_kept():
+    s = scheduler()
+    a, b, c = seq(2), seq(9, first=20), seq(5, first=40)
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s)
+    seqs, is_prefill = s.schedule()
+    assert not is_prefill and seqs == [b, c, a]
+    assert list(s.running) == [a, b, c]         # the newest is still the first to be preempted
