@@ -65,11 +65,28 @@ class ModelRunner:
         self.rank = rank
         self.events = events
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.shm = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()    # else the weights land in a freed engine's cached KV segment and pin it
         self.tp = self._init_tensor_parallel(store_port)
+        try:
+            self._build()
+        except BaseException:
+            self.exit()
+            raise
+        if self.world_size > 1:
+            if rank == 0:
+                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
+                self.tp.announce("shared_memory")
+            else:
+                self.tp.wait_for("shared_memory")
+                self.shm = SharedMemory(name=shm_name)   # spawned: shares rank 0's resource tracker
+                self.loop()
 
-        hf_config = config.hf_config
+    def _build(self) -> None:
+        """The model, its weights, the KV cache and (unless eager) the decode graphs."""
+        config, hf_config = self.config, self.config.hf_config
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -96,16 +113,6 @@ class ModelRunner:
         if not self.enforce_eager:
             self.capture_cudagraph()
 
-        self.shm = None
-        if self.world_size > 1:
-            if rank == 0:
-                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                self.tp.announce("shared_memory")
-            else:
-                self.tp.wait_for("shared_memory")
-                self.shm = SharedMemory(name=shm_name)   # spawned: shares rank 0's resource tracker
-                self.loop()
-
     # ---- tensor parallel plumbing ------------------------------------------------------------------
     def _init_tensor_parallel(self, store_port: int) -> TensorParallelGroup:
         if self.world_size == 1:
@@ -113,14 +120,21 @@ class ModelRunner:
         return TensorParallelGroup.connect(self.rank, self.world_size, store_port, self.device)
 
     def exit(self) -> None:
-        if self.world_size > 1 and self.shm is not None:
+        """Release everything this rank holds, device memory included: another engine may start in
+        this process next, and memory left in the allocator's cache would look used to it."""
+        if self.shm is not None:
             self.shm.close()
             if self.rank == 0:
                 self.shm.unlink()
-        self.shm = None
-        if self.device.type == "cuda" and hasattr(self, "graphs"):
-            del self.graphs, self.graph_pool
-            torch.cuda.synchronize()
+            self.shm = None
+        if hasattr(self, "model"):
+            for layer in self._attention_layers():
+                layer.k_cache = layer.v_cache = torch.tensor([])
+        for name in ("graphs", "graph_pool", "graph_vars", "kv_cache", "sampled", "model"):
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         if self.tp is not None:
             self.tp.close()
             self.tp = None

@@ -103,3 +103,13 @@ def test_sampling_many_sequences_through_graph_buckets(llm):
 def test_kv_cache_that_cannot_fit_is_a_clear_error(model_dir):
     with pytest.raises(ValueError, match="KV cache block"):
         LLM(str(model_dir), gpu_memory_utilization=0.01, enforce_eager=True)
+
+
+def test_an_engine_started_after_another_exits_gets_the_memory_back(model_dir, llm):
+    """exit() empties the allocator's cache: else the next engine's weights land in the freed KV segment,
+    pin it, and the next KV cache finds the memory still 'used'."""
+    sizes = []
+    for _ in range(2):
+        with LLM(str(model_dir), max_model_len=1024, gpu_memory_utilization=0.8, enforce_eager=True) as engine:
+            sizes.append(engine.model_runner.num_kvcache_blocks)
+    assert sizes[0] > 100 and sizes[1] >= 0.95 * sizes[0], sizes

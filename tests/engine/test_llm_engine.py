@@ -1,4 +1,7 @@
 """The engine's edge: bad requests get clear errors and change nothing; shutdown is clean."""
+import gc
+import weakref
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
@@ -119,3 +122,12 @@ def test_exit_is_idempotent_and_the_engine_then_refuses_work(tiny_model):
     engine.exit()
     with pytest.raises(RuntimeError, match="exited"):
         engine.generate([[1]], GREEDY)
+
+
+def test_exit_releases_the_kv_cache_even_if_the_runner_is_still_referenced(tiny_model):
+    engine = LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64)
+    runner = engine.model_runner
+    kv_cache = weakref.ref(runner.kv_cache)
+    engine.exit()
+    gc.collect()
+    assert kv_cache() is None
