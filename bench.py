@@ -133,8 +133,8 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
 def run_nanovllm(args: argparse.Namespace, model: Path, workload: Workload) -> dict:
     """Drive add_request/step ourselves, so each step's wall time can be filed under prefill or decode
     by its sign. A step launches its batch and then waits for the batch before it, so the split is off
-    by one step at the switch from prefill to decode (one decode step, a few milliseconds); the total
-    is exact."""
+    by one step where prefill turns to decode: the last prefill batch's device time (tens of
+    milliseconds) is filed under decode. The total is exact."""
     from nanovllm import LLM, SamplingParams
 
     knobs = {name: getattr(args, name) for name in ENGINE_KNOBS if getattr(args, name) is not None}
