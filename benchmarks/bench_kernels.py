@@ -55,7 +55,6 @@ def bench_decode(batch, ctx, sweep):
     q, k, v, seqlens, table = decode_inputs(batch, ctx)
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
-    rows = []
     if sweep:
         configs = [(None, bn, w, st) for bn, w, st in
                    [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3)]]

@@ -4,7 +4,7 @@ token-identical to transformers' on it."""
 import json
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
 from oracle import hf_greedy
