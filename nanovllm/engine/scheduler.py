@@ -107,7 +107,8 @@ class Scheduler:
         for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.hash_blocks(seq)
+            if not seq.num_pending_tokens:  # every token known (a prefill): later prompts may hit its
+                self.block_manager.hash_blocks(seq)     # blocks now; a decode's wait for postprocess
             if seq.num_cached_tokens < seq.num_tokens:
                 awaiting.append(None)       # a prefill chunk: its sampled token means nothing
                 continue
