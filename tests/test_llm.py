@@ -1,0 +1,145 @@
+"""LLM's conveniences over the engine: chat() through the tokenizer's chat template, and the checkpoint's
+default sampling parameters from generation_config.json."""
+import json
+import shutil
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+HAIKU = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write a haiku about the sea."}]
+
+
+def core(output: dict) -> tuple[str, list[int]]:
+    return output["text"], output["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from nanovllm.utils.gguf_checkpoint import default_model
+    with LLM(default_model(), device="cpu", kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40) as llm:
+        yield llm
+
+
+def rendered_ids(llm: LLM, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+def test_chat_is_generate_on_the_rendered_template(smollm2):
+    ids = rendered_ids(smollm2, FRANCE)
+    assert ids[0] == smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>")      # no BOS added in front
+    assert ids.count(ids[0]) == 3                                                 # system, user, assistant
+    outputs = smollm2.chat(FRANCE, GREEDY, use_tqdm=False)
+    assert outputs == smollm2.generate([ids], GREEDY, use_tqdm=False)
+    assert len(outputs) == 1 and len(outputs[0]["token_ids"]) == GREEDY.max_tokens
+    assert "Paris" in outputs[0]["text"]
+
+
+def test_a_list_of_conversations_gives_one_output_each(smollm2):
+    single = smollm2.chat(FRANCE, GREEDY, use_tqdm=False)
+    both = smollm2.chat([FRANCE, HAIKU], GREEDY, use_tqdm=False)
+    assert len(both) == 2
+    assert core(both[0]) == core(single[0])
+    assert core(both[1]) == core(smollm2.generate([rendered_ids(smollm2, HAIKU)], GREEDY, use_tqdm=False)[0])
+    # and one SamplingParams per conversation
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    per = smollm2.chat([FRANCE, HAIKU], [short, GREEDY], use_tqdm=False)
+    assert [len(o["token_ids"]) for o in per] == [2, GREEDY.max_tokens]
+    assert per[0]["token_ids"] == single[0]["token_ids"][:2]
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened(smollm2):
+    with_prompt, without = rendered_ids(smollm2, FRANCE), rendered_ids(smollm2, FRANCE, add_generation_prompt=False)
+    assert without != with_prompt and with_prompt[:len(without)] == without
+    assert smollm2.tokenizer.decode(with_prompt[len(without):]).startswith("<|im_start|>assistant")
+    outputs = smollm2.chat(FRANCE, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert outputs == smollm2.generate([without], GREEDY, use_tqdm=False)
+
+
+def test_no_sampling_params_means_the_defaults(tiny, monkeypatch):
+    monkeypatch.setattr(tiny, "get_default_sampling_params",
+                        lambda: SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    outputs = tiny.chat(FRANCE, use_tqdm=False)
+    assert len(outputs[0]["token_ids"]) == 3
+
+
+GOOD = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("messages, error, words", [
+    ("hello", TypeError, "messages must be a list"),
+    (({"role": "user", "content": "hi"},), TypeError, "messages must be a list"),
+    ([], ValueError, "messages is empty"),
+    ([[]], ValueError, "conversation 0 is empty"),
+    ([[GOOD], []], ValueError, "conversation 1 is empty"),
+    (["hello"], TypeError, "conversation 0 must be a list"),
+    ([[GOOD], GOOD], TypeError, "conversation 1 must be a list"),
+    ([GOOD, "hello"], TypeError, "message 1 of conversation 0 must be a dict"),
+    ([{"role": "user"}], ValueError, "lacks 'content'"),
+    ([[GOOD], [GOOD, {"content": "x"}]], ValueError, "message 1 of conversation 1 lacks 'role'"),
+    ([{}], ValueError, "lacks 'role' and 'content'"),
+    ([{"role": 1, "content": "hi"}], TypeError, "role .* must be a str"),
+])
+def test_bad_messages_raise_before_any_work(tiny, monkeypatch, messages, error, words):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started")
+    monkeypatch.setattr(tiny, "generate", no_work)
+    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", no_work)
+    with pytest.raises(error, match=words):
+        tiny.chat(messages, GREEDY, use_tqdm=False)
+    assert tiny.scheduler.is_finished()
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tiny, monkeypatch):
+    monkeypatch.setattr(tiny.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template"):
+        tiny.chat(FRANCE, GREEDY, use_tqdm=False)
+    assert tiny.scheduler.is_finished()
+
+
+# ---- get_default_sampling_params ------------------------------------------------------------------------
+def copy_checkpoint(source, destination, generation_config: dict | None):
+    """A private copy of the session-shared checkpoint, with this generation_config.json (None: none)."""
+    shutil.copytree(source, destination)
+    path = destination / "generation_config.json"
+    path.unlink(missing_ok=True)
+    if generation_config is not None:
+        path.write_text(json.dumps(generation_config))
+    return destination
+
+
+def test_generation_config_values_override_the_defaults(tiny_model, tmp_path):
+    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 5,
+              "do_sample": True, "min_p": None, "eos_token_id": 509}
+    path = copy_checkpoint(tiny_model, tmp_path / "checkpoint", config)
+    with LLM(str(path), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8) as llm:
+        params = llm.get_default_sampling_params()
+    assert isinstance(params, SamplingParams)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+    assert params.min_p == 0.0 and params.max_tokens == SamplingParams().max_tokens
+    assert params == SamplingParams(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1)
+
+
+def test_no_generation_config_gives_plain_sampling_params(tiny_model, tmp_path):
+    path = copy_checkpoint(tiny_model, tmp_path / "checkpoint", None)
+    with LLM(str(path), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_a_generation_config_without_sampling_keys_changes_nothing(tiny):
+    assert tiny.get_default_sampling_params() == SamplingParams()     # transformers' own: token ids only
+
+
+def test_smollm2_defaults(smollm2):
+    params = smollm2.get_default_sampling_params()
+    assert isinstance(params, SamplingParams)
