@@ -122,6 +122,24 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
 
+    def can_fork(self, seq: Sequence, num_children: int) -> bool:
+        """Whether num_children completions split off seq can each get a copy of its partial last block."""
+        partial = seq.num_tokens % self.block_size != 0
+        return num_children * partial <= len(self.free_block_ids)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """child shares parent's blocks (one more reference each), but a partial last block, which both
+        will write, becomes a fresh block; returns (parent's block, child's block) to copy, if any."""
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        if parent.num_tokens % self.block_size == 0:
+            return None
+        last = child.block_table[-1]
+        self.blocks[last].ref_count -= 1
+        child.block_table[-1] = self._allocate_block(self.free_block_ids[0]).block_id
+        return last, child.block_table[-1]
+
     def hash_blocks(self, seq: Sequence) -> None:
         """Register seq's full blocks whose KV is computed (or being computed: later readers queue
         behind it on the device) and whose tokens are known, so later requests can hit them."""

@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tensor_parallel import check_workers, start_workers, stop_workers
@@ -23,9 +24,11 @@ class LLMEngine:
             raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names - {'model'})}")
         self._exited = True
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
+        self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
         config = Config(model, **kwargs)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
         if self.tokenizer.eos_token_id is not None:
             config.eos_token_ids = config.eos_token_ids | {self.tokenizer.eos_token_id}
         self.workers = start_workers(config, ModelRunner)
@@ -84,12 +87,18 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room to generate within "
                              f"max_model_len={max_len}")
+        bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         block_size, num_blocks = self.config.kvcache_block_size, len(self.scheduler.block_manager.blocks)
         longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
         if (longest + block_size - 1) // block_size > num_blocks:
             raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
                              f"{num_blocks} blocks of {block_size} tokens; lower max_tokens or "
                              f"give the cache more blocks")
+        if (len(token_ids) + block_size - 1) // block_size + sampling_params.n - 1 > num_blocks:
+            raise ValueError(f"n={sampling_params.n} completions of a {len(token_ids)}-token prompt can never "
+                             f"start in the KV cache of {num_blocks} blocks of {block_size} tokens")
         return Sequence(token_ids, sampling_params, block_size)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
@@ -101,12 +110,18 @@ class LLMEngine:
         """Schedule and launch one batch, then collect the batch launched before it: the device runs
         one step while the host prepares the next. Returns finished (seq_id, completion token ids) and
         the tokens launched (positive for prefill, negative for decode: the tqdm bar tells them apart)."""
+        finished, num_tokens = self._step()
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
+
+    def _step(self) -> tuple[list[Sequence], int]:
         seqs, is_prefill = self.scheduler.schedule()
         launched, num_tokens = None, 0
         if seqs:
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
             check_workers(self.workers)
-            sampled = self.model_runner.call("run", seqs, is_prefill)
+            sampled = self.model_runner.call("run", seqs, is_prefill, self.scheduler.block_copies,
+                                             self._ended_seq_ids)
+            self._ended_seq_ids = []
             launched = (self.scheduler.launched(seqs), sampled)
         elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
@@ -114,8 +129,13 @@ class LLMEngine:
         if previous is None:
             return [], num_tokens
         awaiting, sampled = previous
-        finished = self.scheduler.postprocess(awaiting, sampled.tolist())
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
+        token_ids = sampled.tolist()
+        logprobs = sampled.logprobs()
+        if logprobs is not None:
+            self.output_processor.record_logprobs(awaiting, token_ids, logprobs)
+        finished = self.scheduler.postprocess(awaiting, token_ids, self.output_processor.stop_check)
+        self._ended_seq_ids.extend(seq.seq_id for seq in finished)
+        return finished, num_tokens
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
@@ -141,14 +161,13 @@ class LLMEngine:
             return []
         for seq in seqs:
             self.scheduler.add(seq)
-        wanted = {seq.seq_id for seq in seqs}
-        outputs: dict[int, list[int]] = {}
+        completions: dict[int, list[Sequence]] = {seq.seq_id: [] for seq in seqs}   # by request (first seq)
         pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_throughput = decode_throughput = 0.0
         try:
             while not self.is_finished():
                 t = perf_counter()
-                finished, num_tokens = self.step()
+                finished, num_tokens = self._step()
                 elapsed = perf_counter() - t
                 if num_tokens > 0:
                     prefill_throughput = num_tokens / elapsed
@@ -159,16 +178,16 @@ class LLMEngine:
                     pbar.set_postfix(prefill=f"{int(prefill_throughput)}tok/s",
                                      decode=f"{int(decode_throughput)}tok/s",
                                      hit=f"{stats['prefix_cache_hit_rate']:.0%}", preempt=stats["num_preemptions"])
-                for seq_id, token_ids in finished:
-                    if seq_id in wanted:
-                        outputs[seq_id] = token_ids
-                        pbar.update(1)
+                for seq in finished:
+                    group = completions.get(seq.parent_id)
+                    if group is not None:
+                        group.append(seq)
+                        if len(group) == seq.sampling_params.n:
+                            pbar.update(1)
         except BaseException:
             self._in_flight = None
-            self.scheduler.abort_all()      # free every block; the engine stays usable
+            self._ended_seq_ids.extend(seq.seq_id for seq in self.scheduler.abort_all())
             raise
         finally:
             pbar.close()
-        results = [outputs[seq.seq_id] for seq in seqs]
-        return [{"text": self.tokenizer.decode(token_ids, skip_special_tokens=True), "token_ids": token_ids}
-                for token_ids in results]
+        return [self.output_processor.request_output(completions[seq.seq_id]) for seq in seqs]

@@ -1,3 +1,4 @@
+import itertools
 import math
 import pickle
 import time
@@ -11,7 +12,8 @@ import torch.distributed as dist
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
-from nanovllm.layers.sampler import Sampler
+from nanovllm.engine.sampling_metadata import PenaltyState, build_sampling_tensors
+from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context, set_context
@@ -29,23 +31,33 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class SampledTokens:
-    """A step's sampled token ids on their way to the host: the copy is queued behind the step, and
-    only tolist() waits for it, so the host can prepare and launch the next step meanwhile."""
+    """A step's sampled token ids (and log-probs, if asked) on their way to the host: the copies are
+    queued behind the step, and only reading them waits, so the host can launch the next step meanwhile."""
 
-    def __init__(self, token_ids: torch.Tensor):
+    def __init__(self, output: SamplerOutput):
         self.ready = None
-        if token_ids.is_cuda:
-            self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self.host.copy_(token_ids, non_blocking=True)
+        tensors = [output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs]
+        if output.token_ids.is_cuda:
+            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True) for t in tensors]
             self.ready = torch.cuda.Event()
             self.ready.record()
         else:
-            self.host = token_ids
+            self.host = tensors
 
     def tolist(self) -> list[int]:
+        """The token ids."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return self.host[0].tolist()
+
+    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
+        """Per row: the sampled token's log-prob, and the most likely tokens' ids and log-probs."""
+        if self.host[1] is None:
+            return None
+        if self.ready is not None:
+            self.ready.synchronize()
+        return tuple(t.tolist() for t in self.host[1:])
 
 
 class ModelRunner:
@@ -96,6 +108,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.sampler = Sampler()
+        self.penalty_state = PenaltyState(hf_config.vocab_size, self.device) if self.rank == 0 else None
         # the last step's sampled tokens (on every rank) and each sequence's row in them: a decode input
         # whose token is still PENDING on the host is taken from here, on the device
         self.sampled = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -130,7 +143,7 @@ class ModelRunner:
         if hasattr(self, "model"):
             for layer in self._attention_layers():
                 layer.k_cache = layer.v_cache = torch.tensor([])
-        for name in ("graphs", "graph_pool", "graph_vars", "kv_cache", "sampled", "model"):
+        for name in ("graphs", "graph_pool", "graph_vars", "kv_cache", "sampled", "model", "penalty_state"):
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -326,9 +339,6 @@ class ModelRunner:
             input_ids = torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], input_ids)
         return input_ids, columns[1]
 
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._tensor([seq.temperature for seq in seqs], torch.float32)
-
     # ---- running ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
@@ -348,19 +358,44 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         return self.model.compute_logits(v["outputs"][:bs])
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SampledTokens | None:
-        """Launch one step; rank 0 gets its sampled tokens (one per seq) as they will arrive."""
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
-        logits = self.run_model(input_ids, positions, is_prefill)
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = (),
+            finished_seq_ids: list[int] = ()) -> SampledTokens | None:
+        """Launch one step; rank 0 gets its sampled tokens (one per seq) as they will arrive.
+
+        A prefill may carry completions split off a prompt computed in this very step (n > 1): they
+        compute nothing, sample from their parent's logits, and get copies of its partial last block
+        (block_copies: (source, destination)) once its KV is written. finished_seq_ids: sequences that
+        ended since the last step (their sampling state is freed)."""
+        computed = [seq for seq in seqs if seq.num_scheduled_tokens] if is_prefill else seqs
+        logits_rows = None
+        if len(computed) < len(seqs):   # each split-off completion follows its parent: sample the parent's row
+            logits_rows = list(itertools.accumulate(1 if seq.num_scheduled_tokens else 0 for seq in seqs))
+            logits_rows = [row - 1 for row in logits_rows]
+        input_ids, positions = self.prepare_prefill(computed) if is_prefill else self.prepare_decode(computed)
         if self.rank == 0:
-            token_ids = self.sampler(logits, temperatures)
+            self.penalty_state.release(finished_seq_ids)
+            tensors, penalty_rows = build_sampling_tensors(seqs, logits_rows, self.config.hf_config.vocab_size,
+                                                           self.config.eos_token_ids, self.penalty_state, self.device)
+        logits = self.run_model(input_ids, positions, is_prefill)
+        if block_copies:
+            self.copy_blocks(block_copies)
+        if self.rank == 0:
+            output = self.sampler(logits, tensors)
+            if penalty_rows is not None:
+                self.penalty_state.count(penalty_rows, output.token_ids[tensors.penalties.rows])
+            token_ids = output.token_ids
         else:
             token_ids = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
         self.tp.broadcast_from_first(token_ids)       # every rank feeds them to its next decode step
         self.sampled, self.sampled_rows = token_ids, {seq.seq_id: i for i, seq in enumerate(seqs)}
         reset_context()
-        return SampledTokens(token_ids) if self.rank == 0 else None
+        return SampledTokens(output) if self.rank == 0 else None
+
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer, K and V), queued behind the step that wrote the sources."""
+        source, destination = (self._tensor(list(column), torch.int64) for column in zip(*block_copies))
+        self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

@@ -1,4 +1,5 @@
 from collections import deque
+from collections.abc import Callable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -30,6 +31,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.finishing: set[Sequence] = set()   # launched up to their last token, which is still pending
+        self.block_copies: list[tuple[int, int]] = []   # (source, destination) for the step scheduled last
         self.num_preemptions = 0
         self.num_lookup_tokens = 0       # prompt tokens checked against the prefix cache
         self.num_hit_tokens = 0          # ... of which were found there
@@ -44,6 +46,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
+        self.block_copies = []
         scheduled = self._schedule_prefill()
         is_prefill = bool(scheduled)
         if not is_prefill:
@@ -63,16 +66,37 @@ class Scheduler:
                 self.num_lookup_tokens += seq.num_tokens
                 self.num_hit_tokens += seq.num_cached_tokens
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
+            last_chunk = num_new_tokens <= budget
+            if last_chunk and seq.num_forks and not self.block_manager.can_fork(seq, seq.num_forks):
+                break                       # its completions need blocks of their own: wait for some
             seq.num_scheduled_tokens = min(num_new_tokens, budget)
             budget -= seq.num_scheduled_tokens
             self.num_prefilled_tokens += seq.num_scheduled_tokens
             scheduled.append(seq)
-            if seq.num_scheduled_tokens < num_new_tokens:
+            if not last_chunk:
                 break                       # a chunk: the rest of this prompt goes next step
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.num_forks:
+                scheduled.extend(self._fork(seq))
         return scheduled
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Split a request's other n - 1 completions off its prompt, whose last chunk is scheduled now:
+        they share its blocks (a partial last block is copied once this step has written it) and sample
+        from its logits in this same step."""
+        children = []
+        for index in range(1, seq.num_forks + 1):
+            child = seq.fork(index)
+            child.num_cached_tokens = seq.num_tokens     # computed by the parent in this step
+            copy = self.block_manager.fork(seq, child)
+            if copy is not None:
+                self.block_copies.append(copy)
+            self.running.append(child)
+            children.append(child)
+        seq.num_forks = 0
+        return children
 
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -119,18 +143,30 @@ class Scheduler:
                 self.finishing.add(seq)
         return awaiting
 
-    def postprocess(self, awaiting: list[Sequence | None], token_ids: list[int]) -> list[Sequence]:
-        """A launched step's tokens arrived: fill the placeholders and finish what is done."""
+    def postprocess(self, awaiting: list[Sequence | None], token_ids: list[int],
+                    stop_check: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """A launched step's tokens arrived: fill the placeholders and finish what is done: on eos or a
+        stop token ("stop"), at the length limit ("length"), or when stop_check(seq) says so (a stop
+        string; it is asked only for sequences that have stop strings)."""
         finished = []
         for seq, token_id in zip(awaiting, token_ids):
             if seq is None or seq.is_finished:  # a chunk, or stopped on eos one step before
                 continue
             seq.fill_pending(token_id)
             self.block_manager.hash_blocks(seq)
-            last = seq in self.finishing and not seq.num_pending_tokens
-            if last or (not seq.ignore_eos and token_id in self.eos_token_ids):
-                self._finish(seq)
-                finished.append(seq)
+            known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens   # completion tokens, this one too
+            if known > seq.sampling_params.min_tokens and (
+                    token_id in seq.stop_token_ids or (not seq.ignore_eos and token_id in self.eos_token_ids)):
+                seq.finish_reason = "stop"
+                seq.stop_reason = token_id if token_id in seq.stop_token_ids else None
+            elif seq.sampling_params.stop and stop_check is not None and stop_check(seq):
+                seq.finish_reason = "stop"
+            elif seq in self.finishing and not seq.num_pending_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self._finish(seq)
+            finished.append(seq)
         return finished
 
     def _finish(self, seq: Sequence) -> None:
@@ -145,9 +181,10 @@ class Scheduler:
         if seq.block_table:
             self.block_manager.deallocate(seq)
 
-    def abort_all(self) -> None:
-        """Drop every request and free its blocks (after a failed step)."""
-        for seq in (*self.running, *self.waiting, *self.finishing):
+    def abort_all(self) -> list[Sequence]:
+        """Drop every request and free its blocks (after a failed step); returns the dropped ones."""
+        dropped = [*self.running, *self.waiting, *self.finishing]
+        for seq in dropped:
             if seq.block_table:
                 self.block_manager.deallocate(seq)
             seq.drop_pending()
@@ -156,6 +193,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.finishing.clear()
+        return dropped
 
     def stats(self) -> dict:
         return {

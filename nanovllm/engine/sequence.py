@@ -17,8 +17,12 @@ class Sequence:
     """One request: its tokens, where their KV lives (block_table) and how much of it is computed."""
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, index: int = 0,
+                 parent_id: int | None = None):
         self.seq_id = next(Sequence._ids)
+        self.index = index               # which of its request's n completions this is
+        self.parent_id = self.seq_id if parent_id is None else parent_id    # the request's first sequence
+        self.num_forks = sampling_params.n - 1 if index == 0 else 0   # completions still to split off
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = copy(token_ids)
@@ -29,9 +33,15 @@ class Sequence:
         self.num_scheduled_tokens = 0    # tokens this step computes, from num_cached_tokens on
         self.num_pending_tokens = 0      # trailing PENDING placeholders (at most one per step in flight)
         self.block_table: list[int] = []
-        self.temperature = sampling_params.temperature
+        self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.finish_reason: str | None = None    # "stop" or "length"
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.detokenizer = None          # set by the engine for requests with stop strings
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -72,6 +82,17 @@ class Sequence:
         self.last_token = token_id
         self.num_tokens += 1
 
+    def fork(self, index: int) -> "Sequence":
+        """Completion `index` of this request: the same tokens so far and the same blocks (the caller
+        counts the references); it samples its own continuation from the next token on."""
+        child = Sequence(self.token_ids, self.sampling_params, self.block_size, index, self.seq_id)
+        child.status = self.status
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.block_table = list(self.block_table)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.num_pending_tokens = self.num_pending_tokens
+        return child
+
     def append_pending(self) -> None:
         self.append_token(PENDING)
         self.num_pending_tokens += 1
@@ -98,12 +119,12 @@ class Sequence:
     def __getstate__(self):
         needs_all_tokens = self.num_tokens - self.num_cached_tokens > 1
         return (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-                self.num_scheduled_tokens, self.block_table, self.temperature,
+                self.num_scheduled_tokens, self.block_table,
                 self.token_ids if needs_all_tokens else self.last_token)
 
     def __setstate__(self, state):
         (self.seq_id, self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_table, self.temperature, tokens) = state
+         self.num_scheduled_tokens, self.block_table, tokens) = state
         if isinstance(tokens, list):
             self.token_ids, self.last_token = tokens, tokens[-1]
         else:

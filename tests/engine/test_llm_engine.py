@@ -85,11 +85,11 @@ def test_an_exception_inside_a_step_frees_everything(llm, reference, monkeypatch
     calls = {"n": 0}
     real_run = llm.model_runner.run
 
-    def failing_run(seqs, is_prefill):
+    def failing_run(seqs, is_prefill, *args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device fell over")
-        return real_run(seqs, is_prefill)
+        return real_run(seqs, is_prefill, *args)
 
     monkeypatch.setattr(llm.model_runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="fell over"):

@@ -3,6 +3,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.model_runner import cuda_graph_batch_sizes
+from nanovllm.engine.sampling_metadata import build_sampling_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import get_context, reset_context
 
@@ -75,7 +76,9 @@ def test_decode_computes_each_last_token_in_its_next_slot(llm):
 
 def test_sampling_reads_each_sequence_temperature(llm):
     seqs = [Sequence([1], SamplingParams(temperature=t), BS) for t in (0.0, 0.7)]
-    assert llm.model_runner.prepare_sample(seqs).tolist() == pytest.approx([0.0, 0.7])
+    runner = llm.model_runner
+    tensors, _ = build_sampling_tensors(seqs, None, 512, frozenset(), runner.penalty_state, runner.device)
+    assert tensors.temperatures.tolist() == pytest.approx([0.0, 0.7])
 
 
 def test_kv_cache_is_one_tensor_bound_into_every_layer(llm):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanovllm.kernels.sampling import sample
+from nanovllm.kernels.sampling import candidates, exact_thresholds, sample
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -67,3 +67,68 @@ def test_full_vocabulary_batch():
     hot = logits.clone()
     hot[:, 123456] = 30.0                     # one token far ahead: a T=0.6 draw takes it
     assert (sample(hot, torch.full((256,), 0.6, device="cuda")) == 123456).all()
+
+
+@pytest.mark.parametrize("vocab, k", [(300, 5), (300, 19), (1000, 40)])
+def test_candidates_hold_each_rows_largest_logits_and_its_normalizers(vocab, k):
+    torch.manual_seed(vocab + k)
+    logits = torch.randn(4, vocab, device=DEVICE) * 2
+    logits[1, :k + 3] = 5.0                       # ties at the top: lowest ids first
+    temperatures = torch.tensor([0.7, 1.0, 0.0, 2.0], device=DEVICE)
+    values, ids, floors, complete, row_max, log_z, z_t = candidates(logits, temperatures, k)
+    assert complete.all()
+    reference = logits.float().sort(dim=1, descending=True, stable=True)
+    assert torch.equal(values[:, :k], reference.values[:, :k]) and torch.equal(ids[:, :k], reference.indices[:, :k])
+    held = values > float("-inf")
+    assert torch.equal(held.sum(1), (logits >= floors.unsqueeze(1)).sum(1))    # every logit >= the floor
+    torch.testing.assert_close(log_z, logits.float().logsumexp(1))
+    t = torch.where(temperatures == 0, 1.0, temperatures).unsqueeze(1)
+    torch.testing.assert_close(z_t, torch.exp((logits - row_max.unsqueeze(1)) / t).sum(1))
+
+
+def test_exact_thresholds_find_the_top_k_then_top_p_boundary_and_skip_settled_rows():
+    torch.manual_seed(9)
+    vocab = 500
+    logits = torch.randn(4, vocab, device=DEVICE) * 2
+    temperatures = torch.tensor([1.0, 0.6, 1.3, 1.0], device=DEVICE)
+    top_k = torch.tensor([0, 50, 7, 3], dtype=torch.int32, device=DEVICE)
+    top_p = torch.tensor([0.9, 0.95, 1.0, 0.5], device=DEVICE)
+    thresholds = torch.full((4,), float("-inf"), device=DEVICE)
+    thresholds[3] = 123.0                          # a settled row keeps what it has
+    done = torch.tensor([0, 0, 0, 1], dtype=torch.int32, device=DEVICE)
+    exact_thresholds(logits, torch.arange(4, dtype=torch.int32, device=DEVICE), temperatures, top_k, top_p,
+                     thresholds, done)
+    for row in range(3):
+        values = logits[row].float().sort(descending=True).values
+        if top_k[row] > 0:
+            values = values[:top_k[row]]
+        cumulative = torch.softmax(values / temperatures[row], 0).cumsum(0)
+        boundary = int((cumulative < top_p[row]).sum().clamp(max=values.numel() - 1))
+        assert thresholds[row].item() == values[boundary].item(), row
+    assert thresholds[3].item() == 123.0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("top_k, top_p", [(20, 0.95), (0, 0.9), (100, 1.0)])
+def test_full_vocabulary_draws_follow_the_filtered_softmax(top_k, top_p):
+    """Qwen3's vocabulary: thresholds through the candidates (top_k 20), the bisection (top_p alone, a
+    top_k beyond the candidates), then 20000 keyed draws against transformers' warpers."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    from nanovllm.layers.sampler import Sampler, SamplingTensors
+    torch.manual_seed(11)
+    row = (torch.randn(1, 151936, device="cuda") * 2.5).to(torch.bfloat16)
+    scores = row.float().cpu() / 0.8
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = torch.softmax(scores, -1)[0]
+    n = 20000
+    t = SamplingTensors(temperatures=torch.full((n,), 0.8, device="cuda"), keys=torch.arange(n, device="cuda") * 31,
+                        top_k=torch.full((n,), top_k, dtype=torch.int32, device="cuda"),
+                        top_p=torch.full((n,), top_p, device="cuda"), min_p=torch.zeros(n, device="cuda"),
+                        max_top_k=top_k, filter_rows=torch.arange(n, dtype=torch.int32, device="cuda"))
+    tokens = Sampler()(row.expand(n, -1).contiguous(), t).token_ids
+    freq = torch.bincount(tokens.cpu(), minlength=151936).float() / n
+    assert (freq[expected == 0] == 0).all()
+    assert torch.all((freq - expected).abs() <= 4 * (expected * (1 - expected) / n).sqrt() + 1e-3)

@@ -1,36 +1,177 @@
+"""The Sampler: penalties -> temperature -> min_p -> top_k -> top_p -> draw, as transformers' processors and
+warpers define them, and log-probs of the raw logits. Each check runs on the torch path (CPU) and on the
+Triton kernel path (the interpreter here, the GPU on a GPU box) with a small vocabulary, where the
+kernels' candidates hold only a few logits, so both the candidate path and the exact bisection run."""
+import pytest
 import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.logits_processor import apply_penalties, keep_at_least
+from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors
 
-
-def test_zero_temperature_rows_take_the_argmax():
-    logits = torch.randn(5, 100)
-    tokens = Sampler()(logits, torch.zeros(5))
-    assert torch.equal(tokens, logits.argmax(-1))
-
-
-def test_temperature_rows_follow_the_softmax_distribution():
-    torch.manual_seed(0)
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
-    n = 20000
-    for temperature in (0.5, 1.0, 2.0):
-        tokens = Sampler()(logits.expand(n, -1).clone(), torch.full((n,), temperature))
-        freq = torch.bincount(tokens, minlength=4).float() / n
-        expected = torch.softmax(logits / temperature, -1)
-        assert torch.allclose(freq, expected, atol=0.015), (temperature, freq, expected)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PATHS = {"torch": False, "kernels": True}
 
 
-def test_greedy_and_sampled_rows_mix_in_one_batch():
-    torch.manual_seed(1)
-    logits = torch.randn(64, 50)
-    temperatures = torch.tensor([0.0, 1.0] * 32)
-    tokens = Sampler()(logits.clone(), temperatures)
-    assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
-    assert not torch.equal(tokens[1::2], logits[1::2].argmax(-1))   # 32 draws at T=1 are not all the mode
+def tensors_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, keys=None, **extra) -> SamplingTensors:
+    filters = top_k > 0 or top_p < 1.0 or min_p > 0.0
+    t = SamplingTensors(temperatures=torch.full((rows,), temperature, device=DEVICE),
+                        keys=torch.arange(rows, device=DEVICE) if keys is None else keys, **extra)
+    if filters:
+        t.top_k = torch.full((rows,), top_k, dtype=torch.int32, device=DEVICE)
+        t.top_p = torch.full((rows,), top_p, device=DEVICE)
+        t.min_p = torch.full((rows,), min_p, device=DEVICE)
+        t.max_top_k = top_k
+        t.filter_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE)
+    return t
 
 
-def test_input_logits_are_left_unchanged():
-    logits = torch.randn(3, 10)
+def hf_probabilities(logits, temperature, top_k, top_p, min_p):
+    """transformers' warpers in vLLM's order (min_p, top_k, top_p) on logits / T, renormalized."""
+    scores = logits.float().cpu() / temperature
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, -1)
+
+
+def our_probabilities(sampler, logits, temperature, top_k, top_p, min_p):
+    t = tensors_for(logits.size(0), temperature, top_k, top_p, min_p)
+    thresholds = sampler._thresholds(logits, t) if t.top_k is not None else torch.full(
+        (logits.size(0),), float("-inf"), device=DEVICE)
+    return torch.softmax(keep_at_least(logits, thresholds).cpu() / temperature, -1)
+
+
+SETTINGS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, 5, 1.0, 0.0), (0.7, 20, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.6, 20, 0.95, 0.0), (1.3, 0, 0.5, 0.05),
+    (1.0, 0, 1.0, 0.2), (0.8, 3, 0.8, 0.1), (1.0, 1000, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 200, 0.3, 0.0),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", SETTINGS)
+def test_filters_keep_what_transformers_keeps_with_the_same_probabilities(path, temperature, top_k, top_p, min_p):
+    torch.manual_seed(top_k + int(100 * top_p) + int(1000 * min_p))
+    logits = (torch.randn(6, 200) * 2).to(DEVICE)
+    logits[1] = logits[1] * 0.05            # a flat row: top_p reaches deep
+    logits[2, :50] = 8.0                    # a row whose top 50 tie
+    ours = our_probabilities(Sampler(PATHS[path]), logits, temperature, top_k, top_p, min_p)
+    theirs = hf_probabilities(logits, temperature, top_k, top_p, min_p)
+    if top_p < 1:   # a top_p boundary inside a tie is kept whole here, cut by sort order there
+        ours, theirs = ours[[0, 1, 3, 4, 5]], theirs[[0, 1, 3, 4, 5]]
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_ties_with_the_top_k_or_top_p_boundary_token_stay(path):
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0] + [-5.0] * 10], device=DEVICE)
+    kept = our_probabilities(Sampler(PATHS[path]), logits, 1.0, 2, 1.0, 0.0)[0] > 0
+    assert kept.tolist()[:6] == [True, True, True, True, False, False]
+    kept = our_probabilities(Sampler(PATHS[path]), logits, 1.0, 0, 0.6, 0.0)[0] > 0
+    assert kept.tolist()[:6] == [True, True, True, True, False, False]
+
+
+def draw_frequencies(sampler, logits_row, n, **filters):
+    """n draws from one row: its threshold is found once, then n rows with their own keys draw."""
+    t = tensors_for(1, **filters)
+    row = logits_row.to(DEVICE)
+    thresholds = sampler._thresholds(row, t) if t.top_k is not None else torch.tensor([float("-inf")], device=DEVICE)
+    keys = torch.arange(n, device=DEVICE) * 7919
+    tokens = sampler._draw(row.expand(n, -1).contiguous(), t.temperatures.expand(n).contiguous(),
+                           thresholds.expand(n).contiguous(), keys)
+    return torch.bincount(tokens.cpu(), minlength=row.size(1)).float() / n
+
+
+# the interpreter runs a kernel program in ~20 ms: fewer draws there, all of them on a GPU
+DRAWS = {"torch": 4000, "kernels": 20000 if DEVICE == "cuda" else 400}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.0), (0.7, 4, 1.0, 0.0),
+                                                             (1.0, 0, 0.8, 0.0), (1.5, 6, 0.9, 0.05)])
+def test_draws_follow_the_filtered_distribution_and_never_leave_the_kept_set(path, temperature, top_k, top_p, min_p):
+    torch.manual_seed(3)
+    row = torch.randn(1, 12) * 1.5
+    n = DRAWS[path]
+    freq = draw_frequencies(Sampler(PATHS[path]), row, n, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p)
+    expected = hf_probabilities(row, temperature, top_k, top_p, min_p)[0]
+    assert (freq[expected == 0] == 0).all()
+    assert torch.all((freq - expected).abs() <= 4 * (expected * (1 - expected) / n).sqrt() + 1e-3), (freq, expected)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_row_draws_by_its_key_alone_wherever_it_sits(path):
+    torch.manual_seed(4)
+    logits = torch.randn(8, 300, device=DEVICE)
+    sampler = Sampler(PATHS[path])
+    keys = torch.arange(100, 108, device=DEVICE)
+    batch = sampler(logits, tensors_for(8, top_p=0.9, keys=keys)).token_ids
+    order = torch.randperm(8, device=DEVICE)
+    shuffled = sampler(logits[order], tensors_for(8, top_p=0.9, keys=keys[order])).token_ids
+    assert torch.equal(shuffled, batch[order])
+    alone = sampler(logits[3:4], tensors_for(1, top_p=0.9, keys=keys[3:4])).token_ids
+    assert alone.item() == batch[3].item()
+    others = torch.stack([sampler(logits[3:4], tensors_for(1, keys=torch.tensor([k], device=DEVICE))).token_ids
+                          for k in range(20)])
+    assert others.unique().numel() > 1       # different keys, different draws
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_zero_temperature_rows_take_the_argmax_and_the_input_is_untouched(path):
+    torch.manual_seed(5)
+    logits = torch.randn(6, 100, device=DEVICE)
     before = logits.clone()
-    Sampler()(logits, torch.tensor([0.0, 0.7, 1.3]))
+    t = tensors_for(6, top_k=3)
+    t.temperatures[::2] = 0.0
+    tokens = Sampler(PATHS[path])(logits, t).token_ids
+    assert torch.equal(tokens[::2], logits[::2].argmax(-1))
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("k", [0, 5])
+def test_logprobs_are_the_log_softmax_of_the_raw_logits(path, k):
+    torch.manual_seed(6)
+    logits = torch.randn(5, 300, device=DEVICE) * 3
+    penalties = Penalties(rows=torch.tensor([1], device=DEVICE),
+                          prompt_mask=torch.ones(1, 300, dtype=torch.bool, device=DEVICE),
+                          output_counts=torch.zeros(1, 300, dtype=torch.int32, device=DEVICE),
+                          repetition=torch.tensor([2.0], device=DEVICE), frequency=torch.zeros(1, device=DEVICE),
+                          presence=torch.zeros(1, device=DEVICE))
+    out = Sampler(PATHS[path])(logits, tensors_for(5, temperature=0.5, top_k=10, max_logprobs=k, penalties=penalties))
+    reference = torch.log_softmax(logits.float(), -1)
+    torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1),
+                               atol=1e-4, rtol=0)
+    top = reference.topk(k, dim=1)
+    assert out.top_token_ids.shape == (5, k)
+    assert torch.equal(out.top_token_ids, top.indices)
+    torch.testing.assert_close(out.top_logprobs, top.values, atol=1e-4, rtol=0)
+
+
+def test_repetition_penalty_equals_transformers_and_presence_frequency_the_definition():
+    torch.manual_seed(7)
+    logits = torch.randn(3, 50, device=DEVICE) * 3
+    prompt = [[1, 2, 3], [4, 4, 5], [9]]
+    output = [[3, 7, 7], [], [10, 10, 10, 11]]
+    prompt_mask = torch.zeros(3, 50, dtype=torch.bool, device=DEVICE)
+    counts = torch.zeros(3, 50, dtype=torch.int32, device=DEVICE)
+    for row in range(3):
+        prompt_mask[row, prompt[row]] = True
+        for token in output[row]:
+            counts[row, token] += 1
+    repetition, frequency, presence = [1.3, 0.7, 1.0], [0.0, 0.5, 0.4], [0.0, -1.0, 0.6]
+    ours = logits.clone()
+    apply_penalties(ours, torch.arange(3, device=DEVICE), prompt_mask, counts, torch.tensor(repetition, device=DEVICE),
+                    torch.tensor(frequency, device=DEVICE), torch.tensor(presence, device=DEVICE))
+    for row in range(3):
+        expected = RepetitionPenaltyLogitsProcessor(repetition[row])(
+            torch.tensor([prompt[row] + output[row]]), logits[row:row + 1].cpu().clone())[0]
+        for token in set(output[row]):
+            expected[token] -= frequency[row] * output[row].count(token) + presence[row]
+        torch.testing.assert_close(ours[row].cpu(), expected)

@@ -1,0 +1,55 @@
+"""What the user gets back: log-prob dicts as tokens arrive, stop strings found in the growing text
+(only for requests that have them), and each request's output dict with its n completions."""
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.sequence import Sequence
+
+
+class OutputProcessor:
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @staticmethod
+    def record_logprobs(awaiting: list[Sequence | None], token_ids: list[int], logprobs) -> None:
+        """Each sampled token's log-prob dict ({token id: log-prob}: the sampled token and the k most
+        likely, from the raw logits) for the rows whose sequences asked and still run."""
+        sampled_logprobs, top_ids, top_logprobs = logprobs
+        for row, seq in enumerate(awaiting):
+            if seq is None or seq.is_finished or seq.logprobs is None:
+                continue
+            k = seq.sampling_params.logprobs
+            entry = dict(zip(top_ids[row][:k], top_logprobs[row][:k]))
+            entry[token_ids[row]] = sampled_logprobs[row]
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += sampled_logprobs[row]
+
+    def stop_check(self, seq: Sequence) -> bool:
+        """Feed seq's newly known tokens to its detokenizer; True when they completed a stop string."""
+        params = seq.sampling_params
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                                     params.include_stop_str_in_output,
+                                                     params.skip_special_tokens, params.min_tokens)
+        known = seq.num_tokens - seq.num_pending_tokens
+        new = seq.token_ids[seq.num_prompt_tokens + seq.detokenizer.num_tokens:known]
+        stop = seq.detokenizer.append(new)
+        if stop is not None:
+            seq.stop_reason = stop
+        return stop is not None
+
+    def completion(self, seq: Sequence) -> dict:
+        params, token_ids = seq.sampling_params, seq.completion_token_ids
+        if isinstance(seq.stop_reason, str):
+            text = seq.detokenizer.text
+        else:
+            # eos and stop tokens stay in token_ids but not in the text (as vLLM), unless asked
+            shown = token_ids[:-1] if seq.finish_reason == "stop" and not params.include_stop_str_in_output else token_ids
+            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+        return {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason, "logprobs": seq.logprobs,
+                "cumulative_logprob": seq.cumulative_logprob if seq.logprobs is not None else None}
+
+    def request_output(self, seqs: list[Sequence]) -> dict:
+        """One request's output: its completions in order under "outputs", the first one's fields on top."""
+        outputs = [self.completion(seq) for seq in sorted(seqs, key=lambda s: s.index)]
+        return {**outputs[0], "prompt_token_ids": seqs[0].prompt_token_ids, "outputs": outputs}

@@ -1,0 +1,146 @@
+"""A step's sampling inputs, built on rank 0 from its sequences apart from the attention inputs, and the
+penalty state that lives on the device across steps.
+
+Random keys: a seeded request's row draws with a key made of its seed, its place among the request's
+n completions and the position of the token it samples, so it draws the same token wherever it sits,
+whatever else runs, through preemption and recomputation. Other rows take keys from one random number
+per step (torch's CPU generator: torch.manual_seed repeats a run).
+"""
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Penalties, SamplingTensors
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: nearby inputs give unrelated 64-bit outputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_key(seed: int, index: int, position: int) -> int:
+    """The Philox key of the token at `position` of completion `index` of a request seeded `seed`."""
+    return _mix(_mix(_mix(seed & _MASK64) ^ index) ^ position) >> 2     # < 2**62: fits int64 and torch seeds
+
+
+class PenaltyState:
+    """Per sequence with penalties, on the device: which tokens its prompt holds and how often each
+    token occurs in its output. The counts grow from the sampled tokens on the device (never rebuilt on
+    the host); rows are freed when the engine says the sequence ended."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.rows: dict[int, int] = {}
+        self.free: list[int] = []
+        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+
+    def _grow(self) -> None:
+        old = self.prompt_mask.size(0)
+        new = max(8, 2 * old)
+        self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(new - old, self.vocab_size)])
+        self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)])
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def rows_for(self, seqs: list[Sequence]) -> torch.Tensor:
+        """State rows for these sequences; a new one starts from its prompt (and any known output)."""
+        rows = []
+        for seq in seqs:
+            row = self.rows.get(seq.seq_id)
+            if row is None:
+                if not self.free:
+                    self._grow()
+                row = self.rows[seq.seq_id] = self.free.pop()
+                prompt = torch.tensor(seq.prompt_token_ids, device=self.device)
+                self.prompt_mask[row] = False
+                self.prompt_mask[row, prompt] = True
+                output = [t for t in seq.completion_token_ids if t >= 0]
+                self.output_counts[row] = torch.bincount(torch.tensor(output, dtype=torch.int64),
+                                                         minlength=self.vocab_size).to(self.device)
+            rows.append(row)
+        return torch.tensor(rows, device=self.device)
+
+    def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
+                                      accumulate=True)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.free.append(row)
+
+
+def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, vocab_size: int,
+                           eos_token_ids: frozenset[int], penalty_state: PenaltyState,
+                           device: torch.device) -> tuple[SamplingTensors, torch.Tensor | None]:
+    """The step's SamplingTensors, and the state rows of its penalized rows (to count their tokens)."""
+    n = len(seqs)
+    params = [seq.sampling_params for seq in seqs]
+    floats = np.empty((4, n), dtype=np.float32)             # temperature, top_p, min_p, (top_k)
+    floats[0] = [p.temperature for p in params]
+    keys = np.empty(n, dtype=np.int64)
+    base = int(torch.randint(0, 2 ** 62 - 2 ** 20, (1,)))
+    keys[:] = base + np.arange(n)
+    for i, seq in enumerate(seqs):
+        if params[i].seed is not None:
+            keys[i] = seeded_key(params[i].seed, seq.index, seq.num_tokens)
+    tensors = SamplingTensors(temperatures=None, keys=None)
+    filtered = [i for i, p in enumerate(params) if p.has_filters and not p.greedy]
+    ints = np.zeros((1, n), dtype=np.int32)
+    if filtered:
+        floats[1] = [1.0 if p.greedy else p.top_p for p in params]
+        floats[2] = [0.0 if p.greedy else p.min_p for p in params]
+        ints[0] = [0 if p.greedy else min(p.top_k, vocab_size) for p in params]
+        tensors.max_top_k = int(ints[0].max())
+    host = [floats, keys, ints]
+    if logits_rows is not None:
+        host.append(np.array(logits_rows, dtype=np.int64))
+    # one pinned copy each, queued behind the step
+    floats, keys, ints, *rest = (_to_device(a, device) for a in host)
+    tensors.temperatures, tensors.keys = floats[0], keys
+    if filtered:
+        tensors.top_p, tensors.min_p, tensors.top_k = floats[1], floats[2], ints[0]
+        rows = [i for i in filtered if params[i].top_k > 0 or params[i].top_p < 1.0]
+        tensors.filter_rows = torch.tensor(rows, dtype=torch.int32, device=device)
+    if rest:
+        tensors.logits_rows = rest[0]
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    tensors.max_logprobs = max(wanted) if wanted else None
+
+    banned_rows, banned_ids = [], []
+    for i, seq in enumerate(seqs):
+        p = params[i]
+        if seq.num_completion_tokens < p.min_tokens:     # this step samples completion token num_completion_tokens
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            banned_rows += [i] * len(stops)
+            banned_ids += sorted(stops)
+    if banned_rows:
+        tensors.banned = (torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device))
+
+    # rows that sample a token (not a prompt chunk whose token is thrown away)
+    penalized = [i for i, p in enumerate(params) if p.has_penalties
+                 and seqs[i].num_cached_tokens + seqs[i].num_scheduled_tokens >= seqs[i].num_tokens]
+    state_rows = None
+    if penalized:
+        state_rows = penalty_state.rows_for([seqs[i] for i in penalized])
+        pick = [params[i] for i in penalized]
+        tensors.penalties = Penalties(
+            rows=torch.tensor(penalized, device=device),
+            prompt_mask=penalty_state.prompt_mask[state_rows], output_counts=penalty_state.output_counts[state_rows],
+            repetition=torch.tensor([p.repetition_penalty for p in pick], device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in pick], device=device),
+            presence=torch.tensor([p.presence_penalty for p in pick], device=device))
+    return tensors, state_rows
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -1,0 +1,57 @@
+"""Hugging Face references for the sampling tests: raw log-probs by teacher forcing, greedy decoding with
+vLLM's penalties written out by hand, and transformers' own generate() with its repetition penalty."""
+import torch
+from transformers import GenerationConfig
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """[len(completion_ids), vocab] float32: log_softmax of the raw logits at each completion position,
+    with the prompt and the completion so far fed in (row i is the distribution completion_ids[i] came from)."""
+    ids = torch.tensor([prompt_ids + completion_ids], device=_device(model))
+    logits = model(input_ids=ids).logits[0].float()
+    start = len(prompt_ids) - 1
+    return torch.log_softmax(logits[start:start + len(completion_ids)], dim=-1).cpu()
+
+
+def penalize(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], repetition: float = 1.0,
+             presence: float = 0.0, frequency: float = 0.0) -> torch.Tensor:
+    """vLLM's penalties on one row of logits (a new tensor): repetition over prompt + output tokens
+    (positive logits divided by it, negative ones multiplied), then frequency (times the token's count)
+    and presence (once) over the output tokens only."""
+    x = logits.float().clone()
+    seen = sorted(set(prompt_ids) | set(output_ids))
+    if repetition != 1.0 and seen:
+        picked = x[seen]
+        x[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
+    counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=x.numel()).float() \
+        if output_ids else torch.zeros_like(x)
+    x -= frequency * counts + presence * (counts > 0).float()
+    return x
+
+
+@torch.inference_mode()
+def greedy_with_penalties(model, prompt_ids: list[int], max_tokens: int, repetition: float = 1.0,
+                          presence: float = 0.0, frequency: float = 0.0) -> list[int]:
+    """Argmax decoding, the whole context recomputed every step, each step's last logits penalized."""
+    output: list[int] = []
+    for _ in range(max_tokens):
+        ids = torch.tensor([prompt_ids + output], device=_device(model))
+        logits = model(input_ids=ids).logits[0, -1].cpu()
+        output.append(int(penalize(logits, prompt_ids, output, repetition, presence, frequency).argmax()))
+    return output
+
+
+@torch.inference_mode()
+def hf_generate_greedy(model, prompt_ids: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """transformers' generate(): do_sample=False with the given logits processors (repetition_penalty=...),
+    exactly max_new_tokens tokens: no eos stops it and nothing bans eos."""
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                              pad_token_id=0, bos_token_id=None, **processors)
+    ids = torch.tensor([prompt_ids], device=_device(model))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
