@@ -130,41 +130,58 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
                 bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s)
 
 
-def run_nanovllm(args: argparse.Namespace, model: Path, workload: Workload) -> dict:
-    """Drive add_request/step ourselves, so each step's wall time can be filed under prefill or decode
-    by its sign. A step launches its batch and then waits for the batch before it, so the split is off
-    by one step where prefill turns to decode: the last prefill batch's device time (tens of
-    milliseconds) is filed under decode. The total is exact."""
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The SamplingParams fields the command line sets (the standard workload: temperature 0.6 alone)."""
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                logprobs=args.logprobs, n=args.n)
+
+
+def make_engine(args: argparse.Namespace, model: Path):
     from nanovllm import LLM, SamplingParams
 
     knobs = {name: getattr(args, name) for name in ENGINE_KNOBS if getattr(args, name) is not None}
     llm = LLM(str(model), enforce_eager=args.enforce_eager, max_model_len=MAX_MODEL_LEN, **knobs)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    return llm
+
+
+def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm") -> dict:
+    """Drive add_request/step ourselves, so each step's wall time can be filed under prefill or decode
+    by its sign. A step launches its batch and then waits for the batch before it, so the split is off
+    by one step where prefill turns to decode: the last prefill batch's device time (tens of
+    milliseconds) is filed under decode. The total is exact."""
+    from nanovllm import SamplingParams
+
+    preemptions_before = llm.stats["num_preemptions"]
+    params = [SamplingParams(ignore_eos=True, max_tokens=m, **options) for m in workload.max_tokens]
+    prefill_s = decode_s = 0.0
+    generated = 0
+    with tqdm(total=len(params) * options.get("n", 1), desc=desc, unit="seq", dynamic_ncols=True) as pbar:
+        start = perf_counter()
+        for prompt, sp in zip(workload.prompts, params):
+            llm.add_request(prompt, sp)
+        while not llm.is_finished():
+            step_start = perf_counter()
+            finished, num_tokens = llm.step()
+            if num_tokens > 0:
+                prefill_s += perf_counter() - step_start
+            else:
+                decode_s += perf_counter() - step_start
+            generated += sum(len(token_ids) for _, token_ids in finished)
+            pbar.update(len(finished))
+        elapsed = perf_counter() - start
+    stats, config = llm.stats, llm.config
+    return dict(time_s=elapsed, generated=generated, prefill_time_s=prefill_s, decode_time_s=decode_s,
+                num_preemptions=stats["num_preemptions"] - preemptions_before,
+                peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
+                hf_config=config.hf_config, dtype=config.dtype,
+                num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
+
+
+def run_nanovllm(args: argparse.Namespace, model: Path, workload: Workload) -> dict:
+    llm = make_engine(args, model)
     try:
-        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-        preemptions_before = llm.stats["num_preemptions"]
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in workload.max_tokens]
-        prefill_s = decode_s = 0.0
-        generated = 0
-        with tqdm(total=len(params), desc="nanovllm", unit="req", dynamic_ncols=True) as pbar:
-            start = perf_counter()
-            for prompt, sp in zip(workload.prompts, params):
-                llm.add_request(prompt, sp)
-            while not llm.is_finished():
-                step_start = perf_counter()
-                finished, num_tokens = llm.step()
-                if num_tokens > 0:
-                    prefill_s += perf_counter() - step_start
-                else:
-                    decode_s += perf_counter() - step_start
-                generated += sum(len(token_ids) for _, token_ids in finished)
-                pbar.update(len(finished))
-            elapsed = perf_counter() - start
-        stats, config = llm.stats, llm.config
-        return dict(time_s=elapsed, generated=generated, prefill_time_s=prefill_s, decode_time_s=decode_s,
-                    num_preemptions=stats["num_preemptions"] - preemptions_before,
-                    peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
-                    hf_config=config.hf_config, dtype=config.dtype,
-                    num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
+        return run_workload(llm, workload, sampling_options(args))
     finally:
         llm.exit()
 
@@ -224,16 +241,16 @@ def rate(tokens: int, seconds: float) -> str:
     return f"{tokens / seconds:.0f}tok/s" if seconds > 0 else "-"
 
 
-def report(result: dict, floor: dict, workload: Workload) -> dict:
+def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
     """Print the human-readable lines (upstream's first) and return every figure for --json."""
-    tokens, elapsed = sum(workload.max_tokens), result["time_s"]
+    tokens, elapsed = n * sum(workload.max_tokens), result["time_s"]
     if result["generated"] != tokens:
         raise RuntimeError(f"the engine generated {result['generated']} tokens, the workload asks for {tokens}")
     print(f"Total: {tokens}tok, Time: {elapsed:.2f}s, Throughput: {tokens / elapsed:.2f}tok/s")
     prompt_tokens = sum(map(len, workload.prompts))
     if result["prefill_time_s"] is not None:
         prefill_s, decode_s = result["prefill_time_s"], result["decode_time_s"]
-        decoded = tokens - len(workload.prompts)          # each request's first token comes from its prefill
+        decoded = tokens - n * len(workload.prompts)      # each completion's first token comes from its prefill
         print(f"Prefill: {prompt_tokens}tok in {prefill_s:.2f}s ({rate(prompt_tokens, prefill_s)}), "
               f"Decode: {decoded}tok in {decode_s:.2f}s ({rate(decoded, decode_s)})")
         peak, total = result["peak_kv_blocks"], result["num_kv_blocks"]
@@ -271,6 +288,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, help="peak matmul TFLOP/s for the prefill part of the floor; "
                         "default: 800 on CUDA, a measured float32 matmul on CPU")
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object, last line")
+    sampling = parser.add_argument_group("sampling (nanovllm; the standard workload is temperature 0.6 alone; "
+                                         "Qwen3's own settings: --top-p 0.95 --top-k 20)")
+    sampling.add_argument("--temperature", type=float, default=0.6)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--logprobs", type=int, help="top log-probs returned per token")
+    sampling.add_argument("--n", type=int, default=1, help="completions per prompt (the throughput counts them all)")
     engine = parser.add_argument_group("nanovllm engine knobs (default: the engine's own)")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     engine.add_argument("--tensor-parallel-size", type=int,
@@ -285,6 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.engine == "hf" and (args.enforce_eager or any(getattr(args, k) is not None for k in ENGINE_KNOBS)):
         parser.error("the nanovllm engine knobs do not apply to --engine hf")
+    if args.engine == "hf" and sampling_options(args) != sampling_options(parser.parse_args([])):
+        parser.error("the sampling options apply to nanovllm only (--engine hf samples at temperature 0.6)")
+    try:
+        from nanovllm import SamplingParams
+        SamplingParams(**sampling_options(args))
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
     for name in ("num_seqs", "max_input_len", "max_output_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -313,7 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
                            bandwidth * result["num_devices"], flops * result["num_devices"])
     figures = dict(engine=args.engine, model=str(model), device=device.type, num_seqs=args.num_seqs,
                    max_input_len=args.max_input_len, max_output_len=args.max_output_len, seed=args.seed,
-                   **report(result, floor, workload))
+                   **(sampling_options(args) if args.engine == "nanovllm" else {}),
+                   **report(result, floor, workload, args.n if args.engine == "nanovllm" else 1))
     if args.json:
         print(json.dumps(figures))
     return figures

@@ -99,3 +99,20 @@ def test_hf_engine_on_cpu(checkpoint, capsys):
 def test_engine_knobs_are_refused_for_hf():
     with pytest.raises(SystemExit):
         bench.parse_args(["--engine", "hf", "--max-num-seqs", "8"])
+
+
+def test_sampling_options_reach_the_engine_and_n_counts_every_completion(checkpoint, capsys):
+    argv = ["--model", str(checkpoint), *TINY_RUN, "--bandwidth", "1000", "--peak-tflops", "10",
+            "--top-p", "0.95", "--top-k", "20", "--logprobs", "5", "--n", "2"]
+    figures = run_bench(capsys, argv)
+    assert (figures["top_p"], figures["top_k"], figures["logprobs"], figures["n"]) == (0.95, 20, 5, 2)
+    workload = bench.make_workload(figures["num_seqs"], figures["max_input_len"], figures["max_output_len"],
+                                   figures["seed"])
+    assert figures["total_tokens"] == 2 * sum(workload.max_tokens)
+
+
+@pytest.mark.parametrize("argv", [["--top-p", "0"], ["--top-k", "-3"], ["--n", "0"], ["--logprobs", "30"],
+                                  ["--engine", "hf", "--top-k", "20"]])
+def test_bad_sampling_options_are_refused(argv):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
