@@ -109,14 +109,17 @@ def test_exact_thresholds_find_the_top_k_then_top_p_boundary_and_skip_settled_ro
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("top_k, top_p", [(20, 0.95), (0, 0.9), (100, 1.0)])
-def test_full_vocabulary_draws_follow_the_filtered_softmax(top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p, dtype", [(20, 0.95, torch.float32), (0, 0.9, torch.float32),
+                                                  (100, 1.0, torch.bfloat16)])
+def test_full_vocabulary_draws_follow_the_filtered_softmax(top_k, top_p, dtype):
     """Qwen3's vocabulary: thresholds through the candidates (top_k 20), the bisection (top_p alone, a
-    top_k beyond the candidates), then 20000 keyed draws against transformers' warpers."""
+    top_k beyond the candidates), then 20000 keyed draws against transformers' warpers. With top_p the
+    logits are float32: bf16 rows tie by the hundred deep in the distribution, and at a top_p boundary
+    inside a tie we keep the whole tie where transformers cuts it by sort order."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
     from nanovllm.layers.sampler import Sampler, SamplingTensors
     torch.manual_seed(11)
-    row = (torch.randn(1, 151936, device="cuda") * 2.5).to(torch.bfloat16)
+    row = (torch.randn(1, 151936, device="cuda") * 2.5).to(dtype)
     scores = row.float().cpu() / 0.8
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
