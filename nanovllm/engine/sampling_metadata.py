@@ -97,7 +97,6 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
         floats[1] = [1.0 if p.greedy else p.top_p for p in params]
         floats[2] = [0.0 if p.greedy else p.min_p for p in params]
         ints[0] = [0 if p.greedy else min(p.top_k, vocab_size) for p in params]
-        tensors.max_top_k = int(ints[0].max())
     host = [floats, keys, ints]
     if logits_rows is not None:
         host.append(np.array(logits_rows, dtype=np.int64))

@@ -39,14 +39,17 @@ def _load_kept(row_ptr, offs, vocab_size, threshold, inv_t):
 
 
 @triton.jit
-def _chunk_argmax_kernel(logits_ptr, temperatures_ptr, thresholds_ptr, keys_ptr, best_val_ptr, best_idx_ptr,
-                         vocab_size, stride_row, num_chunks,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(logits_ptr, temperatures_ptr, thresholds_ptr, keys_ptr, skip_ptr, best_val_ptr,
+                         best_idx_ptr, vocab_size, stride_row, num_chunks,
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
     """Each step takes BLOCK logits as four quarter tiles, so that one Philox call (four numbers)
     serves four logits: the random numbers, not the memory reads, bound this kernel."""
     QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    if HAS_SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -87,10 +90,12 @@ def _grid_sizes(vocab_size: int, chunk: int, block: int) -> tuple[int, int, int]
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, thresholds: torch.Tensor | None = None,
-           keys: torch.Tensor | None = None, chunk: int = 8192, block: int = 1024) -> torch.Tensor:
+           keys: torch.Tensor | None = None, skip: torch.Tensor | None = None, chunk: int = 8192,
+           block: int = 1024) -> torch.Tensor:
     """Token ids [rows] (int64) drawn from softmax(logits / temperature) over the tokens with
     logits >= thresholds (none dropped by default), argmax where temperature is 0. keys: int64 Philox
-    keys per row (default: random from torch's generator, so torch.manual_seed repeats a run)."""
+    keys per row (default: random from torch's generator, so torch.manual_seed repeats a run). Rows
+    whose `skip` flag is set are not drawn (their result is undefined)."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1 and temperatures.shape == (rows,)
     if rows == 0:
@@ -104,8 +109,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, thresholds: torch.T
     best_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
     best_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=device)
     _chunk_argmax_kernel[(rows, num_chunks)](
-        logits, temperatures.to(torch.float32), thresholds.to(torch.float32), keys, best_val, best_idx,
-        vocab_size, logits.stride(0), num_chunks, CHUNK=chunk, BLOCK=block, num_warps=4,
+        logits, temperatures.to(torch.float32), thresholds.to(torch.float32), keys, skip, best_val, best_idx,
+        vocab_size, logits.stride(0), num_chunks, CHUNK=chunk, BLOCK=block, HAS_SKIP=skip is not None, num_warps=4,
     )
     winner = best_val.argmax(dim=1, keepdim=True)
     return best_idx.gather(1, winner).squeeze(1).to(torch.int64)
@@ -178,38 +183,159 @@ def max_candidates(vocab_size: int) -> int:
     return min(64, triton.cdiv(vocab_size, _chunk_size(vocab_size)))
 
 
-def candidates(logits: torch.Tensor, temperatures: torch.Tensor, k: int, capacity: int = 512):
-    """(values, token ids, floors, complete, row max, log(sum(exp(x))), sum(exp((x - max) / T))): each
-    row's largest logits, sorted descending (float32; ties: lowest id first; -inf pads), which are every
-    logit >= floors[row], at least k of them, where complete[row]; then whole-row statistics (T = 1 where
-    it is 0).
-
-    Two passes: per-chunk maxima and sums; then every logit at least the k-th largest chunk maximum
-    (a lower bound of the k-th largest logit) is gathered. `complete` is False for a row with more than
-    `capacity` such logits (a flat or tied row); its candidates are then a partial set."""
+def gather_candidates(logits: torch.Tensor, temperatures: torch.Tensor, k: int, capacity: int = 512):
+    """Two passes: per-chunk maxima and sums (stats [3, rows, chunks]); then every logit at least the
+    k-th largest chunk maximum (floors: a lower bound of the k-th largest logit) is gathered, packed and
+    unordered, into [rows, capacity] (counts: how many passed; more than capacity for a flat or tied row,
+    whose buffer then holds a partial set)."""
     rows, vocab_size = logits.shape
     assert logits.stride(1) == 1 and 1 <= k <= max_candidates(vocab_size)
     chunk = _chunk_size(vocab_size)
     num_chunks = triton.cdiv(vocab_size, chunk)
     device = logits.device
-    temperatures = temperatures.to(torch.float32)
     stats = torch.empty(3, rows, num_chunks, dtype=torch.float32, device=device)
     counts = torch.zeros(rows, dtype=torch.int32, device=device)
     packed = torch.full((rows, capacity), MIN_INT64, dtype=torch.int64, device=device)
     if rows:
-        _row_stats_kernel[(rows, num_chunks)](logits, temperatures, stats, vocab_size, logits.stride(0),
-                                              num_chunks, rows, CHUNK=chunk, num_warps=4)
-    chunk_max, chunk_sum, chunk_sum_t = stats
-    floors = chunk_max.topk(k, dim=1).values[:, -1].contiguous()
+        _row_stats_kernel[(rows, num_chunks)](logits, temperatures.to(torch.float32), stats, vocab_size,
+                                              logits.stride(0), num_chunks, rows, CHUNK=chunk, num_warps=4)
+    floors = stats[0].topk(k, dim=1).values[:, -1].contiguous()
     if rows:
         _gather_kernel[(rows, num_chunks)](logits, floors, counts, packed, vocab_size, logits.stride(0),
                                            CHUNK=chunk, CAPACITY=capacity, num_warps=4)
+    return stats, floors, counts, packed
+
+
+def candidates(logits: torch.Tensor, temperatures: torch.Tensor, k: int, capacity: int = 512):
+    """(values, token ids, floors, complete, row max, log(sum(exp(x))), sum(exp((x - max) / T))): each
+    row's largest logits, sorted descending (float32; ties: lowest id first; -inf pads), which are every
+    logit >= floors[row], at least k of them, where complete[row]; then whole-row statistics (T = 1 where
+    it is 0). See gather_candidates."""
+    stats, floors, counts, packed = gather_candidates(logits, temperatures, k, capacity)
     values, token_ids = unpack_candidates(packed.sort(dim=1, descending=True).values)
+    chunk_max, chunk_sum, chunk_sum_t = stats
     row_max = chunk_max.amax(dim=1, keepdim=True)
-    inv_t = 1.0 / torch.where(temperatures == 0, 1.0, temperatures).unsqueeze(1)
+    inv_t = 1.0 / torch.where(temperatures == 0, 1.0, temperatures.float()).unsqueeze(1)
     log_z = row_max.squeeze(1) + (chunk_sum * torch.exp(chunk_max - row_max)).sum(1).log()
     z_t = (chunk_sum_t * torch.exp((chunk_max - row_max) * inv_t)).sum(1)
     return values, token_ids, floors, counts <= capacity, row_max.squeeze(1), log_z, z_t
+
+
+@triton.jit
+def _candidate_noise(key, ids, BLOCK: tl.constexpr):
+    """Gumbel noise of these token ids exactly as _chunk_argmax_kernel gives it: token j is number
+    (j % BLOCK) // (BLOCK / 4) of the four that Philox counter j // BLOCK * BLOCK / 4 + j % (BLOCK / 4) makes."""
+    QUARTER: tl.constexpr = BLOCK // 4
+    within = ids % BLOCK
+    u0, u1, u2, u3 = tl.rand4x(key, (ids - within) // 4 + within % QUARTER)
+    quarter = within // QUARTER
+    return _gumbel(tl.where(quarter == 0, u0, tl.where(quarter == 1, u1, tl.where(quarter == 2, u2, u3))))
+
+
+@triton.jit
+def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_ptr, top_k_ptr, top_p_ptr,
+                   min_p_ptr, keys_ptr, thresholds_ptr, settled_ptr, tokens_ptr, drawn_ptr,
+                   top_ids_ptr, top_values_ptr, log_z_ptr, num_chunks, rows, num_held,
+                   CAPACITY: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                   LOGPROBS: tl.constexpr, NUM_TOP: tl.constexpr, HAS_FILTERS: tl.constexpr):
+    """One program a row, on its gathered candidates: log(Z) and the top NUM_TOP (log-probs); the
+    filters' threshold (the rules of layers/logits_processor.thresholds_from_candidates) and whether the
+    candidates settle it; and when every token it keeps is a candidate, the draw itself."""
+    row = tl.program_id(0)
+    c = tl.arange(0, CHUNKS)
+    plane = rows * num_chunks
+    on = c < num_chunks
+    chunk_max = tl.load(stats_ptr + row * num_chunks + c, mask=on, other=float("-inf"))
+    m = tl.max(chunk_max, 0)
+    temperature = tl.load(temperatures_ptr + row)
+    greedy = temperature == 0.0
+    t = tl.where(greedy, 1.0, temperature)
+    idx = tl.arange(0, CAPACITY)
+    packed = tl.sort(tl.load(packed_ptr + row.to(tl.int64) * CAPACITY + idx), descending=True)
+    values = tl.where(packed == -9223372036854775808, float("-inf"),
+                      _from_order_key((packed >> 32).to(tl.int32)))
+    ids = (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
+    if LOGPROBS:
+        chunk_sum = tl.load(stats_ptr + plane + row * num_chunks + c, mask=on, other=0.0)
+        log_z = m + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - m), 0))
+        tl.store(log_z_ptr + row, log_z)
+        top = idx < NUM_TOP
+        tl.store(top_ids_ptr + row * NUM_TOP + idx, ids, mask=top)
+        tl.store(top_values_ptr + row * NUM_TOP + idx, values - log_z, mask=top)
+    if HAS_FILTERS:
+        chunk_sum_t = tl.load(stats_ptr + 2 * plane + row * num_chunks + c, mask=on, other=0.0)
+        z_t = tl.sum(chunk_sum_t * tl.exp((chunk_max - m) / t), 0)
+        complete = tl.load(counts_ptr + row) <= CAPACITY
+        floor = tl.load(floors_ptr + row)
+        top_k = tl.load(top_k_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        min_p = tl.load(min_p_ptr + row)
+        floor_min_p = tl.where(min_p > 0.0, m + t * tl.log(tl.where(min_p > 0.0, min_p, 1.0)), float("-inf"))
+        kth = tl.max(tl.where(idx == top_k - 1, values, float("-inf")), 0)
+        threshold = tl.where(top_k > 0, tl.maximum(floor_min_p, kth), floor_min_p)
+        k_ok = (top_k == 0) | ((top_k <= num_held) & complete)     # the k-th largest is a candidate
+        weights = tl.where(values >= threshold, tl.exp((values - m) / t), 0.0)
+        cumulative = tl.cumsum(weights, 0)
+        kept_mass = tl.sum(weights, 0)
+        inside = complete & (threshold >= floor)
+        total = tl.where(inside, kept_mass, z_t)
+        boundary = tl.minimum(tl.sum((cumulative < top_p * total).to(tl.int32), 0), CAPACITY - 1)
+        at_boundary = tl.max(tl.where(idx == boundary, values, float("-inf")), 0)
+        has_p = top_p < 1.0
+        p_ok = (top_p >= 1.0) | inside | ((threshold == float("-inf")) & complete & (kept_mass >= top_p * total))
+        threshold = tl.where(has_p & p_ok, tl.maximum(threshold, at_boundary), threshold)
+        settled = k_ok & p_ok
+        tl.store(thresholds_ptr + row, tl.where(settled, threshold, floor_min_p))
+        tl.store(settled_ptr + row, settled.to(tl.int32))
+        drawn = settled & complete & (threshold >= floor) & (threshold > float("-inf"))
+        score = tl.where(values >= threshold, values / t, float("-inf"))
+        if not greedy:
+            score += _candidate_noise(tl.load(keys_ptr + row), ids, BLOCK)
+        best = tl.max(score, 0)
+        tl.store(tokens_ptr + row, tl.min(tl.where(score == best, ids, 2147483647), 0).to(tl.int64))
+        tl.store(drawn_ptr + row, drawn.to(tl.int32))
+
+
+def filter_and_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                    top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                    filter_rows: torch.Tensor | None, num_top: int = 0, capacity: int = 512):
+    """The GPU sampler's whole path after the penalties: candidates, one finishing kernel (log(Z) and
+    the top num_top, the filters' thresholds, the draw for rows the candidates settle), the exact search
+    for rows they do not, and the full-vocabulary draw for rows not drawn yet. Returns (tokens,
+    thresholds or None, top ids, top logits - log(Z), log(Z)); the last three are None when no log-probs
+    are asked (num_top -1). num_top must be at most max_candidates(vocab)."""
+    rows, vocab_size = logits.shape
+    device = logits.device
+    has_filters = top_k is not None
+    assert num_top <= max_candidates(vocab_size)
+    k = max_candidates(vocab_size) if has_filters else max(num_top, 1)
+    stats, floors, counts, packed = gather_candidates(logits, temperatures, k, capacity)
+    num_chunks = stats.size(2)
+    thresholds = torch.empty(rows, dtype=torch.float32, device=device)
+    settled = torch.empty(rows, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    drawn = torch.zeros(rows, dtype=torch.int32, device=device)
+    width = max(num_top, 1)
+    top_ids = torch.empty(rows, width, dtype=torch.int32, device=device)
+    top_values = torch.empty(rows, width, dtype=torch.float32, device=device)
+    log_z = torch.empty(rows, dtype=torch.float32, device=device)
+    dummy = thresholds
+    _, block, _ = _grid_sizes(vocab_size, 8192, 1024)      # sample()'s noise layout
+    if rows:
+        _finish_kernel[(rows,)](
+            packed, counts, floors, stats, temperatures, top_k if has_filters else counts,
+            top_p if has_filters else dummy, min_p if has_filters else dummy, keys, thresholds, settled,
+            tokens, drawn, top_ids, top_values, log_z, num_chunks, rows, k,
+            CAPACITY=capacity, CHUNKS=triton.next_power_of_2(num_chunks), BLOCK=block,
+            LOGPROBS=num_top >= 0, NUM_TOP=max(num_top, 0), HAS_FILTERS=has_filters, num_warps=4)
+    if has_filters and filter_rows is not None:
+        exact_thresholds(logits, filter_rows, temperatures, top_k, top_p, thresholds, settled)
+    thresholds = thresholds if has_filters else None
+    full = sample(logits, temperatures, thresholds, keys, skip=drawn)
+    tokens = torch.where(drawn.bool(), tokens, full)
+    if num_top < 0:
+        return tokens, thresholds, None, None, None
+    return tokens, thresholds, top_ids[:, :num_top].long(), top_values[:, :num_top], log_z
 
 
 # ---- exact thresholds by bisection, for rows their candidates do not settle --------------------------

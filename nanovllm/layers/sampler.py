@@ -22,13 +22,12 @@ class Penalties:
 @dataclass
 class SamplingTensors:
     """One step's sampling inputs, a row per sampled sequence, on the logits' device. The host-side
-    summaries (max_top_k, ...) choose the work without reading the device."""
+    summaries (max_logprobs, ...) choose the work without reading the device."""
     temperatures: torch.Tensor      # [rows] float32; 0 = greedy
     keys: torch.Tensor              # [rows] int64 Philox keys (a seed and position, or per-step random)
     top_k: torch.Tensor | None = None   # [rows] int32, 0 = off (filters are None when no row has any)
     top_p: torch.Tensor | None = None   # [rows] float32, 1 = off
     min_p: torch.Tensor | None = None   # [rows] float32, 0 = off
-    max_top_k: int = 0
     filter_rows: torch.Tensor | None = None   # int32 rows with top_k or top_p (the exact search's grid)
     max_logprobs: int | None = None     # the most top log-probs a row asks for; None: no row asks
     penalties: Penalties | None = None
@@ -48,9 +47,10 @@ class Sampler(nn.Module):
     """penalties -> temperature -> min_p -> top_k -> top_p -> draw, and log-probs of the raw logits.
 
     On a GPU nothing sorts the vocabulary and nothing waits for the host: the Triton kernels find each
-    row's largest logits and softmax normalizers in two passes, the filters become one threshold a row
-    (the exact bisection settles the rows the candidates cannot), and one more pass draws. Elsewhere the
-    same thresholds come from a full sort, and the draw is torch's. use_kernels=True takes the kernel
+    row's largest logits and softmax normalizers in two passes, the filters become one threshold a row,
+    and a row whose kept tokens are all candidates (top_k, or a peaked top_p) draws among them; the exact
+    bisection settles the rest, and one more pass over the vocabulary draws them. Elsewhere the same
+    thresholds come from a full sort, and the draw is torch's. use_kernels=True takes the kernel
     path off the GPU too (Triton's interpreter, in tests)."""
 
     def __init__(self, use_kernels: bool | None = None):
@@ -65,31 +65,42 @@ class Sampler(nn.Module):
             logits = logits[tensors.logits_rows]
         raw = logits
         edits = tensors.penalties is not None or tensors.banned is not None
-        if edits and tensors.max_logprobs is not None and logits is raw:
+        num_top = tensors.max_logprobs
+        if edits and num_top is not None and logits is raw:
             logits = logits.clone()
+        on_kernels = self._on_kernels(logits)
+        # log-probs come from the raw logits: in the GPU's one pass when nothing edits them first
+        fused = on_kernels and num_top is not None and not edits and num_top <= kernels.max_candidates(logits.size(1))
         output = SamplerOutput(token_ids=torch.empty(0))
-        log_z = None
-        if tensors.max_logprobs is not None:
-            k = max(tensors.max_logprobs, 1)
-            values, token_ids, _, _, log_z = self._largest(raw, tensors.temperatures, k)[:5]
-            output.top_token_ids = token_ids[:, :tensors.max_logprobs]
-            output.top_logprobs = values[:, :tensors.max_logprobs] - log_z.unsqueeze(1)
+        if num_top is not None and not fused:
+            values, token_ids, _, _, log_z, _ = self._largest(raw, tensors.temperatures, max(num_top, 1))
+            output.top_token_ids, output.top_logprobs = token_ids[:, :num_top], values[:, :num_top] - log_z.unsqueeze(1)
         if tensors.penalties is not None:
             p = tensors.penalties
             apply_penalties(logits, p.rows, p.prompt_mask, p.output_counts, p.repetition, p.frequency, p.presence)
         if tensors.banned is not None:
             ban_tokens(logits, *tensors.banned)
-        thresholds = self._thresholds(logits, tensors) if tensors.top_k is not None else None
-        output.token_ids = self._draw(logits, tensors.temperatures, thresholds, tensors.keys)
-        if log_z is not None:
+        if on_kernels:
+            output.token_ids, _, top_ids, top_logprobs, fused_log_z = self._filter_and_draw(
+                logits, tensors, num_top if fused else -1)
+            if fused:
+                output.top_token_ids, output.top_logprobs, log_z = top_ids, top_logprobs, fused_log_z
+        else:
+            thresholds = self._thresholds(logits, tensors) if tensors.top_k is not None else None
+            output.token_ids = gumbel_max(logits, tensors.temperatures, thresholds, tensors.keys)
+        if num_top is not None:
             output.logprobs = raw.gather(1, output.token_ids.unsqueeze(1)).squeeze(1).float() - log_z
         return output
 
+    @staticmethod
+    def _filter_and_draw(logits: torch.Tensor, tensors: SamplingTensors, num_top: int):
+        return kernels.filter_and_draw(logits.contiguous(), tensors.temperatures, tensors.keys, tensors.top_k,
+                                       tensors.top_p, tensors.min_p, tensors.filter_rows, num_top)
+
     def _largest(self, logits: torch.Tensor, temperatures: torch.Tensor, k: int):
-        """(values, token ids, floors, complete, log_z, z_t): see kernels.sampling.candidates; off the GPU,
-        every logit (a full sort: floors are -inf)."""
-        if self._on_kernels(logits):
-            k = min(k, kernels.max_candidates(logits.size(1)))
+        """(values, token ids, floors, complete, log_z, z_t): see kernels.sampling.candidates; off the GPU
+        (or for more than the kernels serve), every logit: a full sort, floors -inf."""
+        if self._on_kernels(logits) and k <= kernels.max_candidates(logits.size(1)):
             values, token_ids, floors, complete, _, log_z, z_t = kernels.candidates(logits, temperatures, k)
             return values, token_ids, floors, complete, log_z, z_t
         x = logits.float()
@@ -102,20 +113,16 @@ class Sampler(nn.Module):
         return values, token_ids, floors, complete, torch.logsumexp(x, 1), z_t
 
     def _thresholds(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-        # on the GPU as many candidates as the kernels serve: the more, the fewer rows need the search
-        on_kernels = self._on_kernels(logits)
-        held = kernels.max_candidates(logits.size(1)) if on_kernels else logits.size(1)
-        values, _, floors, complete, _, z_t = self._largest(logits, tensors.temperatures, held)
-        thresholds, floor_min_p, settled = thresholds_from_candidates(
-            values, floors, complete, z_t, tensors.temperatures, tensors.top_k, tensors.top_p, tensors.min_p, held)
-        if on_kernels:          # off them every row is settled: its candidates are the whole row
-            thresholds = torch.where(settled, thresholds, floor_min_p).contiguous()
-            kernels.exact_thresholds(logits, tensors.filter_rows, tensors.temperatures, tensors.top_k,
-                                     tensors.top_p, thresholds, settled)
-        return thresholds
+        """Each row's filter threshold: the kernels' (see filter_and_draw), or from a full sort."""
+        if self._on_kernels(logits):
+            return self._filter_and_draw(logits, tensors, -1)[1]
+        values, _, floors, complete, _, z_t = self._largest(logits, tensors.temperatures, logits.size(1))
+        return thresholds_from_candidates(values, floors, complete, z_t, tensors.temperatures, tensors.top_k,
+                                          tensors.top_p, tensors.min_p, logits.size(1))[0]
 
     def _draw(self, logits: torch.Tensor, temperatures: torch.Tensor, thresholds: torch.Tensor | None,
               keys: torch.Tensor) -> torch.Tensor:
+        """The full-vocabulary draw alone, given thresholds."""
         if self._on_kernels(logits):
             return kernels.sample(logits.contiguous(), temperatures, thresholds, keys)
         return gumbel_max(logits, temperatures, thresholds, keys)

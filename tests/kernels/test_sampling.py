@@ -130,8 +130,24 @@ def test_full_vocabulary_draws_follow_the_filtered_softmax(top_k, top_p, dtype):
     t = SamplingTensors(temperatures=torch.full((n,), 0.8, device="cuda"), keys=torch.arange(n, device="cuda") * 31,
                         top_k=torch.full((n,), top_k, dtype=torch.int32, device="cuda"),
                         top_p=torch.full((n,), top_p, device="cuda"), min_p=torch.zeros(n, device="cuda"),
-                        max_top_k=top_k, filter_rows=torch.arange(n, dtype=torch.int32, device="cuda"))
+                        filter_rows=torch.arange(n, dtype=torch.int32, device="cuda"))
     tokens = Sampler()(row.expand(n, -1).contiguous(), t).token_ids
     freq = torch.bincount(tokens.cpu(), minlength=151936).float() / n
     assert (freq[expected == 0] == 0).all()
     assert torch.all((freq - expected).abs() <= 4 * (expected * (1 - expected) / n).sqrt() + 1e-3)
+
+
+def test_a_row_drawn_among_its_candidates_gets_the_full_vocabularys_token():
+    """filter_and_draw draws top_k rows among their candidates with the same per-token noise that the
+    full-vocabulary kernel uses: the same key and threshold give the same token either way."""
+    from nanovllm.kernels.sampling import filter_and_draw
+    torch.manual_seed(12)
+    rows, vocab = 12, 400
+    logits = torch.randn(rows, vocab, device=DEVICE) * 2
+    temperatures = torch.full((rows,), 0.9, device=DEVICE)
+    keys = torch.arange(rows, device=DEVICE) * 1000003
+    top_k = torch.full((rows,), 8, dtype=torch.int32, device=DEVICE)
+    tokens, thresholds, *_ = filter_and_draw(logits, temperatures, keys, top_k, torch.full((rows,), 0.9, device=DEVICE),
+                                             torch.zeros(rows, device=DEVICE), None)
+    assert torch.equal(tokens, sample(logits, temperatures, thresholds, keys))
+    assert len(set(tokens.tolist())) > 1

@@ -22,7 +22,6 @@ def tensors_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, keys=None,
         t.top_k = torch.full((rows,), top_k, dtype=torch.int32, device=DEVICE)
         t.top_p = torch.full((rows,), top_p, device=DEVICE)
         t.min_p = torch.full((rows,), min_p, device=DEVICE)
-        t.max_top_k = top_k
         t.filter_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE)
     return t
 
