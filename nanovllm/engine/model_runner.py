@@ -120,6 +120,8 @@ class ModelRunner:
             layer.ops = self.ops
         if self.device.type == "cuda":
             self.warmup_model()
+            if self.rank == 0:
+                self.sampler.warmup(self.config.hf_config.vocab_size, self.device)
         self.allocate_kv_cache()
         if self.device.type == "cuda":
             self.warmup_cached_paths()

@@ -235,10 +235,10 @@ def _candidate_noise(key, ids, BLOCK: tl.constexpr):
 @triton.jit
 def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_ptr, top_k_ptr, top_p_ptr,
                    min_p_ptr, keys_ptr, thresholds_ptr, settled_ptr, tokens_ptr, drawn_ptr,
-                   top_ids_ptr, top_values_ptr, log_z_ptr, num_chunks, rows, num_held,
+                   top_ids_ptr, top_values_ptr, log_z_ptr, num_chunks, rows, num_held, num_top,
                    CAPACITY: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
-                   LOGPROBS: tl.constexpr, NUM_TOP: tl.constexpr, HAS_FILTERS: tl.constexpr):
-    """One program a row, on its gathered candidates: log(Z) and the top NUM_TOP (log-probs); the
+                   LOGPROBS: tl.constexpr, HAS_FILTERS: tl.constexpr):
+    """One program a row, on its gathered candidates: log(Z) and the top num_top (log-probs); the
     filters' threshold (the rules of layers/logits_processor.thresholds_from_candidates) and whether the
     candidates settle it; and when every token it keeps is a candidate, the draw itself."""
     row = tl.program_id(0)
@@ -259,9 +259,9 @@ def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_p
         chunk_sum = tl.load(stats_ptr + plane + row * num_chunks + c, mask=on, other=0.0)
         log_z = m + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - m), 0))
         tl.store(log_z_ptr + row, log_z)
-        top = idx < NUM_TOP
-        tl.store(top_ids_ptr + row * NUM_TOP + idx, ids, mask=top)
-        tl.store(top_values_ptr + row * NUM_TOP + idx, values - log_z, mask=top)
+        top = idx < num_top
+        tl.store(top_ids_ptr + row * num_top + idx, ids, mask=top)
+        tl.store(top_values_ptr + row * num_top + idx, values - log_z, mask=top)
     if HAS_FILTERS:
         chunk_sum_t = tl.load(stats_ptr + 2 * plane + row * num_chunks + c, mask=on, other=0.0)
         z_t = tl.sum(chunk_sum_t * tl.exp((chunk_max - m) / t), 0)
@@ -307,6 +307,8 @@ def filter_and_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torc
     rows, vocab_size = logits.shape
     device = logits.device
     has_filters = top_k is not None
+    if not has_filters and num_top < 0:
+        return sample(logits, temperatures, None, keys), None, None, None, None
     assert num_top <= max_candidates(vocab_size)
     k = max_candidates(vocab_size) if has_filters else max(num_top, 1)
     stats, floors, counts, packed = gather_candidates(logits, temperatures, k, capacity)
@@ -325,9 +327,9 @@ def filter_and_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torc
         _finish_kernel[(rows,)](
             packed, counts, floors, stats, temperatures, top_k if has_filters else counts,
             top_p if has_filters else dummy, min_p if has_filters else dummy, keys, thresholds, settled,
-            tokens, drawn, top_ids, top_values, log_z, num_chunks, rows, k,
+            tokens, drawn, top_ids, top_values, log_z, num_chunks, rows, k, max(num_top, 0),
             CAPACITY=capacity, CHUNKS=triton.next_power_of_2(num_chunks), BLOCK=block,
-            LOGPROBS=num_top >= 0, NUM_TOP=max(num_top, 0), HAS_FILTERS=has_filters, num_warps=4)
+            LOGPROBS=num_top >= 0, HAS_FILTERS=has_filters, num_warps=4)
     if has_filters and filter_rows is not None:
         exact_thresholds(logits, filter_rows, temperatures, top_k, top_p, thresholds, settled)
     thresholds = thresholds if has_filters else None

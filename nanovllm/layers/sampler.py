@@ -57,6 +57,20 @@ class Sampler(nn.Module):
         super().__init__()
         self.use_kernels = use_kernels
 
+    def warmup(self, vocab_size: int, device: torch.device) -> None:
+        """Compile every kernel variant now (filters or not, log-probs or not, the exact search), so that
+        the first request asking for one does not wait seconds for Triton."""
+        logits = torch.randn(2, vocab_size, device=device)
+        rows = torch.arange(2, dtype=torch.int32, device=device)
+        for filters in (False, True):
+            for num_top in (None, 1):
+                t = SamplingTensors(temperatures=torch.tensor([1.0, 0.0], device=device),
+                                    keys=torch.arange(2, device=device), max_logprobs=num_top)
+                if filters:     # top_k beyond the candidates: the exact search runs too
+                    t.top_k = torch.tensor([vocab_size, 0], dtype=torch.int32, device=device)
+                    t.top_p, t.min_p, t.filter_rows = torch.tensor([0.5, 1.0], device=device), torch.zeros(2, device=device), rows
+                self(logits, t)
+
     def _on_kernels(self, logits: torch.Tensor) -> bool:
         return logits.is_cuda if self.use_kernels is None else self.use_kernels
 
