@@ -56,14 +56,14 @@ class PenaltyState:
                 if not self.free:
                     self._grow()
                 row = self.rows[seq.seq_id] = self.free.pop()
-                prompt = torch.tensor(seq.prompt_token_ids, device=self.device)
+                prompt = _to_device(np.array(seq.prompt_token_ids, dtype=np.int64), self.device)
                 self.prompt_mask[row] = False
                 self.prompt_mask[row, prompt] = True
                 output = [t for t in seq.completion_token_ids if t >= 0]
-                self.output_counts[row] = torch.bincount(torch.tensor(output, dtype=torch.int64),
-                                                         minlength=self.vocab_size).to(self.device)
+                counts = np.bincount(np.array(output, dtype=np.int64), minlength=self.vocab_size).astype(np.int32)
+                self.output_counts[row] = _to_device(counts, self.device)
             rows.append(row)
-        return torch.tensor(rows, device=self.device)
+        return _to_device(np.array(rows, dtype=np.int64), self.device)
 
     def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
@@ -106,7 +106,7 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     if filtered:
         tensors.top_p, tensors.min_p, tensors.top_k = floats[1], floats[2], ints[0]
         rows = [i for i in filtered if params[i].top_k > 0 or params[i].top_p < 1.0]
-        tensors.filter_rows = torch.tensor(rows, dtype=torch.int32, device=device)
+        tensors.filter_rows = _to_device(np.array(rows, dtype=np.int32), device)
     if rest:
         tensors.logits_rows = rest[0]
     wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -120,7 +120,7 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
             banned_rows += [i] * len(stops)
             banned_ids += sorted(stops)
     if banned_rows:
-        tensors.banned = (torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device))
+        tensors.banned = tuple(_to_device(np.array(a, dtype=np.int64), device) for a in (banned_rows, banned_ids))
 
     # rows that sample a token (not a prompt chunk whose token is thrown away)
     penalized = [i for i, p in enumerate(params) if p.has_penalties
@@ -129,16 +129,18 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     if penalized:
         state_rows = penalty_state.rows_for([seqs[i] for i in penalized])
         pick = [params[i] for i in penalized]
+        weights = _to_device(np.array([[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
+                                       [p.presence_penalty for p in pick]], dtype=np.float32), device)
         tensors.penalties = Penalties(
-            rows=torch.tensor(penalized, device=device),
+            rows=_to_device(np.array(penalized, dtype=np.int64), device),
             prompt_mask=penalty_state.prompt_mask[state_rows], output_counts=penalty_state.output_counts[state_rows],
-            repetition=torch.tensor([p.repetition_penalty for p in pick], device=device),
-            frequency=torch.tensor([p.frequency_penalty for p in pick], device=device),
-            presence=torch.tensor([p.presence_penalty for p in pick], device=device))
+            repetition=weights[0], frequency=weights[1], presence=weights[2])
     return tensors, state_rows
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Through pinned memory, queued on the stream: a copy from pageable memory would make the host
+    wait for the device, and the step pipeline would stall."""
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)

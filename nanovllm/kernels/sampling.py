@@ -129,7 +129,7 @@ def _from_order_key(key):
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])     # batch sizes vary: one compiled variant for all
 def _row_stats_kernel(logits_ptr, temperatures_ptr, stats_ptr, vocab_size, stride_row, num_chunks, rows,
                       CHUNK: tl.constexpr):
     """Per (row, chunk): max m, sum(exp(x - m)) and sum(exp((x - m) / T))."""
@@ -232,7 +232,7 @@ def _candidate_noise(key, ids, BLOCK: tl.constexpr):
     return _gumbel(tl.where(quarter == 0, u0, tl.where(quarter == 1, u1, tl.where(quarter == 2, u2, u3))))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "num_top"])
 def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_ptr, top_k_ptr, top_p_ptr,
                    min_p_ptr, keys_ptr, thresholds_ptr, settled_ptr, tokens_ptr, drawn_ptr,
                    top_ids_ptr, top_values_ptr, log_z_ptr, num_chunks, rows, num_held, num_top,
