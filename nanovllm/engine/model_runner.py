@@ -121,7 +121,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warmup_model()
             if self.rank == 0:
-                self.sampler.warmup(self.config.hf_config.vocab_size, self.device)
+                self.sampler.warmup(self.config.hf_config.vocab_size, self.config.dtype, self.device)
         self.allocate_kv_cache()
         if self.device.type == "cuda":
             self.warmup_cached_paths()

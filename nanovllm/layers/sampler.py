@@ -57,10 +57,10 @@ class Sampler(nn.Module):
         super().__init__()
         self.use_kernels = use_kernels
 
-    def warmup(self, vocab_size: int, device: torch.device) -> None:
-        """Compile every kernel variant now (filters or not, log-probs or not, the exact search), so that
-        the first request asking for one does not wait seconds for Triton."""
-        logits = torch.randn(2, vocab_size, device=device)
+    def warmup(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile every kernel variant for the model's logits dtype now (filters or not, log-probs or
+        not, the exact search), so that the first request asking for one does not wait for Triton."""
+        logits = torch.randn(2, vocab_size, device=device).to(dtype)
         rows = torch.arange(2, dtype=torch.int32, device=device)
         for filters in (False, True):
             for num_top in (None, 1):
