@@ -149,6 +149,11 @@ class ModelRunner:
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # cuBLAS keeps a workspace per stream in the allocator: a live one pins its whole segment,
+            # and the next engine in this process would find that memory taken
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
         if self.tp is not None:
             self.tp.close()

@@ -82,8 +82,11 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     """The step's SamplingTensors, and the state rows of its penalized rows (to count their tokens)."""
     n = len(seqs)
     params = [seq.sampling_params for seq in seqs]
-    floats = np.empty((4, n), dtype=np.float32)             # temperature, top_p, min_p, (top_k)
-    floats[0] = [p.temperature for p in params]
+    # temperature, top_p, min_p: rows padded to 16 bytes, since Triton compiles a variant per pointer
+    # alignment and a batch size that moved the rows' starts would make the first steps wait for compiles
+    width = -(-n // 4) * 4
+    floats = np.zeros((3, width), dtype=np.float32)
+    floats[0, :n] = [p.temperature for p in params]
     keys = np.empty(n, dtype=np.int64)
     base = int(torch.randint(0, 2 ** 62 - 2 ** 20, (1,)))
     keys[:] = base + np.arange(n)
@@ -94,17 +97,17 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     filtered = [i for i, p in enumerate(params) if p.has_filters and not p.greedy]
     ints = np.zeros((1, n), dtype=np.int32)
     if filtered:
-        floats[1] = [1.0 if p.greedy else p.top_p for p in params]
-        floats[2] = [0.0 if p.greedy else p.min_p for p in params]
+        floats[1, :n] = [1.0 if p.greedy else p.top_p for p in params]
+        floats[2, :n] = [0.0 if p.greedy else p.min_p for p in params]
         ints[0] = [0 if p.greedy else min(p.top_k, vocab_size) for p in params]
     host = [floats, keys, ints]
     if logits_rows is not None:
         host.append(np.array(logits_rows, dtype=np.int64))
     # one pinned copy each, queued behind the step
     floats, keys, ints, *rest = (_to_device(a, device) for a in host)
-    tensors.temperatures, tensors.keys = floats[0], keys
+    tensors.temperatures, tensors.keys = floats[0, :n], keys
     if filtered:
-        tensors.top_p, tensors.min_p, tensors.top_k = floats[1], floats[2], ints[0]
+        tensors.top_p, tensors.min_p, tensors.top_k = floats[1, :n], floats[2, :n], ints[0]
         rows = [i for i in filtered if params[i].top_k > 0 or params[i].top_p < 1.0]
         tensors.filter_rows = _to_device(np.array(rows, dtype=np.int32), device)
     if rest:
