@@ -232,7 +232,7 @@ def _candidate_noise(key, ids, BLOCK: tl.constexpr):
     return _gumbel(tl.where(quarter == 0, u0, tl.where(quarter == 1, u1, tl.where(quarter == 2, u2, u3))))
 
 
-@triton.jit(do_not_specialize=["rows", "num_top"])
+@triton.jit(do_not_specialize=["rows", "num_held", "num_top"])
 def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_ptr, top_k_ptr, top_p_ptr,
                    min_p_ptr, keys_ptr, thresholds_ptr, settled_ptr, tokens_ptr, drawn_ptr,
                    top_ids_ptr, top_values_ptr, log_z_ptr, num_chunks, rows, num_held, num_top,
