@@ -1,3 +1,4 @@
+import gc
 import itertools
 import math
 import pickle
@@ -80,6 +81,7 @@ class ModelRunner:
         self.shm = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            gc.collect()                # a dropped engine caught in a reference cycle (a failed start's traceback)
             torch.cuda.empty_cache()    # else the weights land in a freed engine's cached KV segment and pin it
         self.tp = self._init_tensor_parallel(store_port)
         try:
