@@ -19,8 +19,10 @@ def main():
     questions = ["introduce yourself", "list all prime numbers within 100"]
     conversations = [[{"role": "user", "content": question}] for question in questions]
     with LLM(path, enforce_eager=True) as llm:
-        # the checkpoint's generation_config.json sampling values, with a longer answer
-        sampling_params = replace(llm.get_default_sampling_params(), max_tokens=256)
+        # the checkpoint's generation_config.json sampling values, with a longer answer; SmolLM2 ships none,
+        # and at the fallback temperature 1.0 a 135M model rambles, so it is capped at 0.6 here
+        defaults = llm.get_default_sampling_params()
+        sampling_params = replace(defaults, temperature=min(defaults.temperature, 0.6), max_tokens=256)
         outputs = llm.chat(conversations, sampling_params)
     for question, output in zip(questions, outputs):
         print(f"\nQuestion: {question!r}")

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
-from nanovllm.engine.sampling_metadata import PenaltyState, build_sampling_tensors
-from nanovllm.layers.sampler import Sampler, SamplerOutput
+from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
+from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context, set_context
@@ -29,36 +29,6 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512)."""
     largest = min(max_num_seqs, 512)
     return [bs for bs in (1, 2, 4, 8) if bs <= largest] + list(range(16, largest + 1, 16))
-
-
-class SampledTokens:
-    """A step's sampled token ids (and log-probs, if asked) on their way to the host: the copies are
-    queued behind the step, and only reading them waits, so the host can launch the next step meanwhile."""
-
-    def __init__(self, output: SamplerOutput):
-        self.ready = None
-        tensors = [output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs]
-        if output.token_ids.is_cuda:
-            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True) for t in tensors]
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host = tensors
-
-    def tolist(self) -> list[int]:
-        """The token ids."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host[0].tolist()
-
-    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
-        """Per row: the sampled token's log-prob, and the most likely tokens' ids and log-probs."""
-        if self.host[1] is None:
-            return None
-        if self.ready is not None:
-            self.ready.synchronize()
-        return tuple(t.tolist() for t in self.host[1:])
 
 
 class ModelRunner:

@@ -1,5 +1,5 @@
-"""A step's sampling inputs, built on rank 0 from its sequences apart from the attention inputs, and the
-penalty state that lives on the device across steps.
+"""A step's sampling inputs, built on rank 0 from its sequences apart from the attention inputs, the
+penalty state that lives on the device across steps, and the sampled tokens on their way back.
 
 Random keys: a seeded request's row draws with a key made of its seed, its place among the request's
 n completions and the position of the token it samples, so it draws the same token wherever it sits,
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Penalties, SamplingTensors
+from nanovllm.layers.sampler import Penalties, SamplerOutput, SamplingTensors
 
 _MASK64 = (1 << 64) - 1
 
@@ -139,6 +139,36 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
             prompt_mask=penalty_state.prompt_mask[state_rows], output_counts=penalty_state.output_counts[state_rows],
             repetition=weights[0], frequency=weights[1], presence=weights[2])
     return tensors, state_rows
+
+
+class SampledTokens:
+    """A step's sampled token ids (and log-probs, if asked) on their way to the host: the copies are
+    queued behind the step, and only reading them waits, so the host can launch the next step meanwhile."""
+
+    def __init__(self, output: SamplerOutput):
+        self.ready = None
+        tensors = [output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs]
+        if output.token_ids.is_cuda:
+            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True) for t in tensors]
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = tensors
+
+    def tolist(self) -> list[int]:
+        """The token ids."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[0].tolist()
+
+    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
+        """Per row: the sampled token's log-prob, and the most likely tokens' ids and log-probs."""
+        if self.host[1] is None:
+            return None
+        if self.ready is not None:
+            self.ready.synchronize()
+        return tuple(t.tolist() for t in self.host[1:])
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
