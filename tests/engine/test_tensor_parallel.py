@@ -107,3 +107,22 @@ def test_atexit_cleans_up_an_engine_left_running(model_dir):
     worker_pid = int(result.stdout.split("worker")[1])
     assert shm_segments() == before_shm
     assert not os.path.exists(f"/proc/{worker_pid}") or "zombie" in open(f"/proc/{worker_pid}/status").read().lower()
+
+
+def test_tp2_samples_what_tp1_samples_with_every_option(model_dir):
+    """Rank 0 samples; the other rank must still compute the n completions split off a prompt (their
+    copied KV block included) and read the pending tokens that rank 0 broadcast."""
+    prompts = prompts_with_shared_prefix(4, seed=2)
+    params = [SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, top_k=20, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True,
+                             logprobs=2),
+              SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.3, seed=4, max_tokens=8,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, presence_penalty=1.0, max_tokens=8, ignore_eos=True)]
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(str(model_dir), device="cpu", tensor_parallel_size=tp, kvcache_block_size=16,
+                 max_model_len=128) as llm:
+            outputs[tp] = [[c["token_ids"] for c in o["outputs"]] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[2] == outputs[1]
+    assert len(set(map(tuple, outputs[1][0]))) == 1 and len(outputs[1][0]) == 3    # greedy twins
