@@ -20,6 +20,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup, building_with
+from nanovllm.utils.transfer import to_device
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 SHM_SIZE = 1 << 24   # 16 MiB for one pickled (method, args) message to the workers
@@ -244,10 +245,7 @@ class ModelRunner:
 
     # ---- per-step inputs ------------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().cuda(self.device, non_blocking=True)
-        return tensor
+        return to_device(array, self.device)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         # through numpy: it converts a list of ints several times faster than torch.tensor does

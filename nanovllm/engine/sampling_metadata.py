@@ -11,6 +11,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplerOutput, SamplingTensors
+from nanovllm.utils.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,14 +57,14 @@ class PenaltyState:
                 if not self.free:
                     self._grow()
                 row = self.rows[seq.seq_id] = self.free.pop()
-                prompt = _to_device(np.array(seq.prompt_token_ids, dtype=np.int64), self.device)
+                prompt = to_device(np.array(seq.prompt_token_ids, dtype=np.int64), self.device)
                 self.prompt_mask[row] = False
                 self.prompt_mask[row, prompt] = True
                 output = [t for t in seq.completion_token_ids if t >= 0]
                 counts = np.bincount(np.array(output, dtype=np.int64), minlength=self.vocab_size).astype(np.int32)
-                self.output_counts[row] = _to_device(counts, self.device)
+                self.output_counts[row] = to_device(counts, self.device)
             rows.append(row)
-        return _to_device(np.array(rows, dtype=np.int64), self.device)
+        return to_device(np.array(rows, dtype=np.int64), self.device)
 
     def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
@@ -104,12 +105,12 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     if logits_rows is not None:
         host.append(np.array(logits_rows, dtype=np.int64))
     # one pinned copy each, queued behind the step
-    floats, keys, ints, *rest = (_to_device(a, device) for a in host)
+    floats, keys, ints, *rest = (to_device(a, device) for a in host)
     tensors.temperatures, tensors.keys = floats[0, :n], keys
     if filtered:
         tensors.top_p, tensors.min_p, tensors.top_k = floats[1, :n], floats[2, :n], ints[0]
         rows = [i for i in filtered if params[i].top_k > 0 or params[i].top_p < 1.0]
-        tensors.filter_rows = _to_device(np.array(rows, dtype=np.int32), device)
+        tensors.filter_rows = to_device(np.array(rows, dtype=np.int32), device)
     if rest:
         tensors.logits_rows = rest[0]
     wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -123,7 +124,7 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
             banned_rows += [i] * len(stops)
             banned_ids += sorted(stops)
     if banned_rows:
-        tensors.banned = tuple(_to_device(np.array(a, dtype=np.int64), device) for a in (banned_rows, banned_ids))
+        tensors.banned = tuple(to_device(np.array(a, dtype=np.int64), device) for a in (banned_rows, banned_ids))
 
     # rows that sample a token (not a prompt chunk whose token is thrown away)
     penalized = [i for i, p in enumerate(params) if p.has_penalties
@@ -132,10 +133,10 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     if penalized:
         state_rows = penalty_state.rows_for([seqs[i] for i in penalized])
         pick = [params[i] for i in penalized]
-        weights = _to_device(np.array([[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
+        weights = to_device(np.array([[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
                                        [p.presence_penalty for p in pick]], dtype=np.float32), device)
         tensors.penalties = Penalties(
-            rows=_to_device(np.array(penalized, dtype=np.int64), device),
+            rows=to_device(np.array(penalized, dtype=np.int64), device),
             prompt_mask=penalty_state.prompt_mask[state_rows], output_counts=penalty_state.output_counts[state_rows],
             repetition=weights[0], frequency=weights[1], presence=weights[2])
     return tensors, state_rows
@@ -169,12 +170,3 @@ class SampledTokens:
         if self.ready is not None:
             self.ready.synchronize()
         return tuple(t.tolist() for t in self.host[1:])
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Through pinned memory, queued on the stream: a copy from pageable memory would make the host
-    wait for the device, and the step pipeline would stall."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

@@ -83,14 +83,11 @@ class Sequence:
         self.num_tokens += 1
 
     def fork(self, index: int) -> "Sequence":
-        """Completion `index` of this request: the same tokens so far and the same blocks (the caller
-        counts the references); it samples its own continuation from the next token on."""
+        """Completion `index` of this request: the same tokens so far; it samples its own continuation
+        from the next token on. Its blocks come from BlockManager.fork."""
         child = Sequence(self.token_ids, self.sampling_params, self.block_size, index, self.seq_id)
         child.status = self.status
         child.num_prompt_tokens = self.num_prompt_tokens
-        child.block_table = list(self.block_table)
-        child.num_cached_tokens = self.num_cached_tokens
-        child.num_pending_tokens = self.num_pending_tokens
         return child
 
     def append_pending(self) -> None:

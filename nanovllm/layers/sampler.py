@@ -80,8 +80,8 @@ class Sampler(nn.Module):
         raw = logits
         edits = tensors.penalties is not None or tensors.banned is not None
         num_top = tensors.max_logprobs
-        if edits and num_top is not None and logits is raw:
-            logits = logits.clone()
+        if edits and num_top is not None:
+            logits = logits.clone()     # the edits are in place; log-probs need the raw values
         on_kernels = self._on_kernels(logits)
         # log-probs come from the raw logits: in the GPU's one pass when nothing edits them first
         fused = on_kernels and num_top is not None and not edits and num_top <= kernels.max_candidates(logits.size(1))
