@@ -11,6 +11,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplerOutput, SamplingTensors
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
@@ -80,65 +81,79 @@ class PenaltyState:
 def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, vocab_size: int,
                            eos_token_ids: frozenset[int], penalty_state: PenaltyState,
                            device: torch.device) -> tuple[SamplingTensors, torch.Tensor | None]:
-    """The step's SamplingTensors, and the state rows of its penalized rows (to count their tokens)."""
+    """The step's SamplingTensors, and the state rows of its penalized rows (to count their tokens).
+
+    Runs every step for up to hundreds of rows, so each feature is looked up once per distinct
+    SamplingParams (a batch usually shares one) and only the features present walk the rows."""
     n = len(seqs)
     params = [seq.sampling_params for seq in seqs]
+    distinct = list({id(p): p for p in params}.values())
+
+    def column(value) -> np.ndarray | list:
+        return np.full(n, value(distinct[0])) if len(distinct) == 1 else [value(p) for p in params]
+
     # temperature, top_p, min_p: rows padded to 16 bytes, since Triton compiles a variant per pointer
     # alignment and a batch size that moved the rows' starts would make the first steps wait for compiles
     width = -(-n // 4) * 4
     floats = np.zeros((3, width), dtype=np.float32)
-    floats[0, :n] = [p.temperature for p in params]
-    keys = np.empty(n, dtype=np.int64)
-    base = int(torch.randint(0, 2 ** 62 - 2 ** 20, (1,)))
-    keys[:] = base + np.arange(n)
-    for i, seq in enumerate(seqs):
-        if params[i].seed is not None:
-            keys[i] = seeded_key(params[i].seed, seq.index, seq.num_tokens)
-    tensors = SamplingTensors(temperatures=None, keys=None)
-    filtered = [i for i, p in enumerate(params) if p.has_filters and not p.greedy]
+    floats[0, :n] = column(lambda p: p.temperature)
+    keys = int(torch.randint(0, 2 ** 62 - 2 ** 20, (1,))) + np.arange(n, dtype=np.int64)
+    if any(p.seed is not None for p in distinct):
+        for i, seq in enumerate(seqs):
+            if params[i].seed is not None:
+                keys[i] = seeded_key(params[i].seed, seq.index, seq.num_tokens)
+    filtered = any(p.has_filters and not p.greedy for p in distinct)
     ints = np.zeros((1, n), dtype=np.int32)
     if filtered:
-        floats[1, :n] = [1.0 if p.greedy else p.top_p for p in params]
-        floats[2, :n] = [0.0 if p.greedy else p.min_p for p in params]
-        ints[0] = [0 if p.greedy else min(p.top_k, vocab_size) for p in params]
+        floats[1, :n] = column(lambda p: 1.0 if p.greedy else p.top_p)
+        floats[2, :n] = column(lambda p: 0.0 if p.greedy else p.min_p)
+        ints[0] = column(lambda p: 0 if p.greedy else min(p.top_k, vocab_size))
     host = [floats, keys, ints]
     if logits_rows is not None:
         host.append(np.array(logits_rows, dtype=np.int64))
     # one pinned copy each, queued behind the step
     floats, keys, ints, *rest = (to_device(a, device) for a in host)
-    tensors.temperatures, tensors.keys = floats[0, :n], keys
+    tensors = SamplingTensors(temperatures=floats[0, :n], keys=keys)
     if filtered:
         tensors.top_p, tensors.min_p, tensors.top_k = floats[1, :n], floats[2, :n], ints[0]
-        rows = [i for i in filtered if params[i].top_k > 0 or params[i].top_p < 1.0]
+        def searched(p: SamplingParams) -> bool:     # a row the exact search may have to settle
+            return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+        if len(distinct) == 1:
+            rows = np.arange(n) if searched(distinct[0]) else []
+        else:
+            rows = [i for i, p in enumerate(params) if searched(p)]
         tensors.filter_rows = to_device(np.array(rows, dtype=np.int32), device)
     if rest:
         tensors.logits_rows = rest[0]
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    wanted = [p.logprobs for p in distinct if p.logprobs is not None]
     tensors.max_logprobs = max(wanted) if wanted else None
 
-    banned_rows, banned_ids = [], []
-    for i, seq in enumerate(seqs):
-        p = params[i]
-        if seq.num_completion_tokens < p.min_tokens:     # this step samples completion token num_completion_tokens
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-            banned_rows += [i] * len(stops)
-            banned_ids += sorted(stops)
-    if banned_rows:
-        tensors.banned = tuple(to_device(np.array(a, dtype=np.int64), device) for a in (banned_rows, banned_ids))
+    if any(p.min_tokens for p in distinct):
+        banned_rows, banned_ids = [], []
+        for i, seq in enumerate(seqs):
+            p = params[i]
+            if seq.num_completion_tokens < p.min_tokens:     # this step samples completion token num_completion_tokens
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+                banned_rows += [i] * len(stops)
+                banned_ids += sorted(stops)
+        if banned_rows:
+            tensors.banned = tuple(to_device(np.array(a, dtype=np.int64), device) for a in (banned_rows, banned_ids))
 
-    # rows that sample a token (not a prompt chunk whose token is thrown away)
-    penalized = [i for i, p in enumerate(params) if p.has_penalties
-                 and seqs[i].num_cached_tokens + seqs[i].num_scheduled_tokens >= seqs[i].num_tokens]
     state_rows = None
-    if penalized:
-        state_rows = penalty_state.rows_for([seqs[i] for i in penalized])
-        pick = [params[i] for i in penalized]
-        weights = to_device(np.array([[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
-                                       [p.presence_penalty for p in pick]], dtype=np.float32), device)
-        tensors.penalties = Penalties(
-            rows=to_device(np.array(penalized, dtype=np.int64), device),
-            prompt_mask=penalty_state.prompt_mask[state_rows], output_counts=penalty_state.output_counts[state_rows],
-            repetition=weights[0], frequency=weights[1], presence=weights[2])
+    if any(p.has_penalties for p in distinct):
+        # rows that sample a token (not a prompt chunk whose token is thrown away)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties
+                     and seqs[i].num_cached_tokens + seqs[i].num_scheduled_tokens >= seqs[i].num_tokens]
+        if penalized:
+            state_rows = penalty_state.rows_for([seqs[i] for i in penalized])
+            pick = [params[i] for i in penalized]
+            weights = to_device(np.array([[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
+                                          [p.presence_penalty for p in pick]], dtype=np.float32), device)
+            tensors.penalties = Penalties(
+                rows=to_device(np.array(penalized, dtype=np.int64), device),
+                prompt_mask=penalty_state.prompt_mask[state_rows],
+                output_counts=penalty_state.output_counts[state_rows],
+                repetition=weights[0], frequency=weights[1], presence=weights[2])
     return tensors, state_rows
 
 
