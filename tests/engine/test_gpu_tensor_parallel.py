@@ -8,6 +8,10 @@ from nanovllm.utils.random_checkpoint import QWEN3_0_6B
 from teacher_forcing import TIE_MARGIN, forced_logprobs, random_prompts
 
 NUM_TOKENS = 32
+# skipped before the fixtures run (a CPU machine would otherwise write a 0.6B checkpoint for nothing);
+# worker processes: a regression must fail, not hang
+pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+              pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
