@@ -10,7 +10,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tensor_parallel import check_workers, start_workers, stop_workers
+from nanovllm.engine.tensor_parallel import Workers, refuse_in_spawn_bootstrap
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -18,11 +18,13 @@ class LLMEngine:
     """Tokenizes requests, runs the schedule -> model -> postprocess loop, and detokenizes results."""
 
     def __init__(self, model: str, **kwargs):
+        refuse_in_spawn_bootstrap()     # a TP worker re-importing an unguarded script: say so, do not start
         names = {f.name for f in fields(Config) if f.init}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names - {'model'})}")
         self._exited = True
+        self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
         self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
         config = Config(model, **kwargs)
@@ -31,12 +33,15 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.tokenizer.eos_token_id is not None:
             config.eos_token_ids = config.eos_token_ids | {self.tokenizer.eos_token_id}
-        self.workers = start_workers(config, ModelRunner)
+        self.workers = Workers(config)      # ranks 1..N-1 start building beside rank 0
         try:
-            self.model_runner = ModelRunner(config, 0, self.workers.events, self.workers.store_port,
-                                            self.workers.shm_name)
-        except BaseException:
-            stop_workers(self.workers, timeout=0)
+            self.model_runner = ModelRunner(config, 0, self.workers.join_group())
+            self.workers.open_channel()
+        except BaseException as error:
+            try:
+                self.workers.explain(error)     # a worker died: say which, how, and what it printed
+            finally:
+                self.workers.stop(graceful=False)
             raise
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
@@ -49,19 +54,25 @@ class LLMEngine:
             return
         self._exited = True
         atexit.unregister(self.exit)
-        workers_alive = all(process.is_alive() for process in self.workers.processes)
-        if workers_alive:
-            self.model_runner.call("exit")      # every rank leaves its loop and releases its group
-        else:
-            self.model_runner.exit()            # a dead worker cannot hear "exit": the rest get killed
+        model_runner = self.model_runner
         del self.model_runner
-        stop_workers(self.workers, timeout=30 if workers_alive else 0)
+        # ranks out of step, or one dead: the workers cannot be asked to leave, so they are killed
+        self.workers.stop(model_runner.exit, graceful=not self._cut_short)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.exit()
+
+    def _call(self, method_name: str, *args):
+        """Call `method_name(*args)` on every rank's ModelRunner (the workers first: rank 0 waits for
+        them in its collectives) and return rank 0's result."""
+        self._cut_short = bool(self.workers.processes)
+        self.workers.send(method_name, args)
+        result = getattr(self.model_runner, method_name)(*args)
+        self._cut_short = False
+        return result
 
     # ---- requests -------------------------------------------------------------------------------------
     def _make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
@@ -114,13 +125,22 @@ class LLMEngine:
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
 
     def _step(self) -> tuple[list[Sequence], int]:
+        self.workers.check()
+        if self._cut_short:
+            raise RuntimeError("a step was interrupted midway, so the tensor-parallel ranks may be out of "
+                               "step; exit() this engine and build a new one")
+        try:
+            return self._step_and_collect()
+        except Exception as error:
+            self.workers.explain(error)     # a collective failed because a worker died: say so
+            raise
+
+    def _step_and_collect(self) -> tuple[list[Sequence], int]:
         seqs, is_prefill = self.scheduler.schedule()
         launched, num_tokens = None, 0
         if seqs:
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-            check_workers(self.workers)
-            sampled = self.model_runner.call("run", seqs, is_prefill, self.scheduler.block_copies,
-                                             self._ended_seq_ids)
+            sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids)
             self._ended_seq_ids = []
             launched = (self.scheduler.launched(seqs), sampled)
         elif self._in_flight is None:
@@ -131,6 +151,7 @@ class LLMEngine:
         awaiting, sampled = previous
         token_ids = sampled.tolist()
         logprobs = sampled.logprobs()
+        self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
         if logprobs is not None:
             self.output_processor.record_logprobs(awaiting, token_ids, logprobs)
         finished = self.scheduler.postprocess(awaiting, token_ids, self.output_processor.stop_check)

@@ -1,10 +1,6 @@
 import gc
 import itertools
 import math
-import pickle
-import time
-from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Event
 
 import numpy as np
 import torch
@@ -23,7 +19,6 @@ from nanovllm.utils.parallel import TensorParallelGroup, building_with
 from nanovllm.utils.transfer import to_device
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
-SHM_SIZE = 1 << 24   # 16 MiB for one pickled (method, args) message to the workers
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -32,42 +27,36 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [bs for bs in (1, 2, 4, 8) if bs <= largest] + list(range(16, largest + 1, 16))
 
 
+def rank_device(config: Config, rank: int) -> torch.device:
+    """Rank r runs on GPU r (one process per GPU), or on the CPU."""
+    return torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+
+
 class ModelRunner:
     """Runs the model for one rank: builds it, owns the KV cache, prepares each step's inputs and
     attention metadata, replays CUDA graphs for decode, and (rank 0) samples.
 
-    With tensor parallelism rank 0 lives in the caller's process and broadcasts every call it makes
-    to the other ranks' runners through shared memory: (method name, args) pickled, one Event per worker.
+    With tensor parallelism every rank has one, in its own process (rank 0 in the caller's), and the
+    engine has each rank call the same methods in the same order (engine/tensor_parallel.py).
     """
 
-    def __init__(self, config: Config, rank: int, events: list[Event] | Event | None = None,
-                 store_port: int = 0, shm_name: str = ""):
+    def __init__(self, config: Config, rank: int = 0, group: TensorParallelGroup | None = None):
         self.config = config
         self.block_size = config.kvcache_block_size
         self.enforce_eager = config.enforce_eager or config.device == "cpu"
         self.world_size = config.tensor_parallel_size
         self.rank = rank
-        self.events = events
-        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.shm = None
+        self.device = rank_device(config, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             gc.collect()                # a dropped engine caught in a reference cycle (a failed start's traceback)
             torch.cuda.empty_cache()    # else the weights land in a freed engine's cached KV segment and pin it
-        self.tp = self._init_tensor_parallel(store_port)
+        self.tp = group or TensorParallelGroup()
         try:
             self._build()
         except BaseException:
             self.exit()
             raise
-        if self.world_size > 1:
-            if rank == 0:
-                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                self.tp.announce("shared_memory")
-            else:
-                self.tp.wait_for("shared_memory")
-                self.shm = SharedMemory(name=shm_name)   # spawned: shares rank 0's resource tracker
-                self.loop()
 
     def _build(self) -> None:
         """The model, its weights, the KV cache and (unless eager) the decode graphs."""
@@ -101,20 +90,10 @@ class ModelRunner:
         if not self.enforce_eager:
             self.capture_cudagraph()
 
-    # ---- tensor parallel plumbing ------------------------------------------------------------------
-    def _init_tensor_parallel(self, store_port: int) -> TensorParallelGroup:
-        if self.world_size == 1:
-            return TensorParallelGroup()
-        return TensorParallelGroup.connect(self.rank, self.world_size, store_port, self.device)
-
+    # ---- teardown ------------------------------------------------------------------------------------
     def exit(self) -> None:
         """Release everything this rank holds, device memory included: another engine may start in
         this process next, and memory left in the allocator's cache would look used to it."""
-        if self.shm is not None:
-            self.shm.close()
-            if self.rank == 0:
-                self.shm.unlink()
-            self.shm = None
         if hasattr(self, "model"):
             for layer in self._attention_layers():
                 layer.k_cache = layer.v_cache = torch.tensor([])
@@ -131,41 +110,6 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.close()
             self.tp = None
-
-    def loop(self) -> None:
-        while True:
-            method_name, args = self.read_shm()
-            self.call(method_name, *args)
-            if method_name == "exit":
-                break
-
-    def read_shm(self):
-        assert self.world_size > 1 and self.rank > 0
-        self.events.wait()
-        n = int.from_bytes(self.shm.buf[0:4], "little")
-        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
-        self.events.clear()
-        return method_name, args
-
-    def write_shm(self, method_name: str, *args) -> None:
-        assert self.world_size > 1 and self.rank == 0
-        data = pickle.dumps([method_name, *args])
-        n = len(data)
-        if n + 4 > SHM_SIZE:
-            raise RuntimeError(f"a {method_name!r} message of {n} bytes outgrows the {SHM_SIZE}-byte shared buffer")
-        # rank 0 no longer waits for a step's results before sending the next one, so wait here until
-        # every worker has read the previous message (a worker clears its event once it has)
-        while any(event.is_set() for event in self.events):
-            time.sleep(20e-6)
-        self.shm.buf[0:4] = n.to_bytes(4, "little")
-        self.shm.buf[4:n + 4] = data
-        for event in self.events:
-            event.set()
-
-    def call(self, method_name: str, *args):
-        if self.world_size > 1 and self.rank == 0:
-            self.write_shm(method_name, *args)
-        return getattr(self, method_name)(*args)
 
     # ---- setup --------------------------------------------------------------------------------------
     def _use_compiled_layers(self) -> None:

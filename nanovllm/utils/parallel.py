@@ -4,6 +4,7 @@ Each engine builds its own process group straight from a rendezvous store (no gl
 so several engines can live in one process. Layers read the group while the model is being built
 (`building_with(group)`) and keep it.
 """
+import threading
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -13,19 +14,31 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
+def rendezvous_store(port: int) -> dist.TCPStore:
+    """A client of the rendezvous store that rank 0's process serves on 127.0.0.1:port."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+
 class TensorParallelGroup:
 
     def __init__(self, rank: int = 0, size: int = 1, backend=None, store=None):
         self.rank, self.size, self.backend, self.store = rank, size, backend, store
+        self.aborted = False
+        self._lock = threading.Lock()     # abort() comes from rank 0's worker monitor thread
 
     @classmethod
-    def connect(cls, rank: int, size: int, store_port: int, device: torch.device) -> "TensorParallelGroup":
-        """Join the group whose rendezvous store listens on 127.0.0.1:store_port (NCCL on CUDA, else gloo)."""
-        store = dist.TCPStore("127.0.0.1", store_port, size + 1, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-        if device.type == "cuda":
-            backend = dist.ProcessGroupNCCL(store, rank, size, COLLECTIVE_TIMEOUT)
-        else:
-            backend = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    def connect(cls, rank: int, size: int, store: dist.Store, device: torch.device) -> "TensorParallelGroup":
+        """Join the group that rendezvouses through `store` (NCCL on CUDA, else gloo)."""
+        store.set(f"joined/{rank}", "1")      # rank 0 waits for the others' keys, watching their processes
+        if device.type != "cuda":
+            return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT), store)
+        backend = dist.ProcessGroupNCCL(store, rank, size, COLLECTIVE_TIMEOUT)
+        # Build the communicator now, once every rank is known to be alive: NCCL would otherwise build it
+        # in the first collective, and a rank that died before joining would leave the others inside
+        # ncclCommInitRank, where nothing can break them off. A wait on the store can be broken off.
+        store.wait([f"joined/{r}" for r in range(size)])
+        backend.allreduce([torch.zeros(1, device=device)]).wait()
+        torch.cuda.synchronize(device)
         return cls(rank, size, backend, store)
 
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -62,13 +75,27 @@ class TensorParallelGroup:
         all-reduce returns to the host at once and only orders the GPU stream.)"""
         self.store.wait([key])
 
+    def abort(self) -> None:
+        """Break off every collective in flight, for good: a rank has died. NCCL kernels spinning on the
+        dead rank return (with garbage), so a host waiting on them wakes; gloo fails by itself when a
+        peer's sockets close."""
+        with self._lock:
+            if self.aborted or self.backend is None:
+                return
+            self.aborted, backend = True, self.backend
+        backend.abort()
+
     def close(self) -> None:
         """Release the communicator now rather than whenever the object is collected: what
-        destroy_process_group would do for a global group (without it NCCL warns at exit)."""
-        shutdown = getattr(self.backend, "shutdown", None) or getattr(self.backend, "_shutdown", None)
+        destroy_process_group would do for a global group (without it NCCL warns at exit). An aborted
+        one has nothing left to shut down (and NCCL's shutdown would wait for the dead rank)."""
+        with self._lock:
+            backend, self.backend, self.store = self.backend, None, None
+            if self.aborted or backend is None:
+                return
+        shutdown = getattr(backend, "shutdown", None) or getattr(backend, "_shutdown", None)
         if shutdown is not None:
             shutdown()
-        self.backend = self.store = None
 
 
 SINGLE = TensorParallelGroup()

@@ -84,7 +84,7 @@ def test_a_dead_worker_makes_the_engine_raise_instead_of_hang(model_dir):
 def test_oversized_messages_are_refused_not_truncated(model_dir):
     with LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128) as llm:
         with pytest.raises(RuntimeError, match="outgrows"):
-            llm.model_runner.write_shm("run", b"x" * (1 << 25))
+            llm.workers.send("run", (b"x" * (1 << 25),))
         assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 10
 
 
