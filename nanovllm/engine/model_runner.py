@@ -339,7 +339,9 @@ class ModelRunner:
             set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
                         block_tables=v["block_tables"][:bs])
             v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])    # warm up
-            with torch.cuda.graph(graph, self.graph_pool):
+            # thread_local: a worker's death may make the monitor abort NCCL (which frees memory) from its
+            # own thread mid-capture; the default global mode would forbid that and leave NCCL half torn down
+            with torch.cuda.graph(graph, self.graph_pool, capture_error_mode="thread_local"):
                 v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
             if self.graph_pool is None:
                 self.graph_pool = graph.pool()

@@ -168,7 +168,8 @@ class Workers:
     def stop(self, exit_rank0=None, graceful: bool = True) -> None:
         """Stop every rank. Graceful (and every worker alive): the workers are told to `exit` while rank 0
         runs `exit_rank0` beside them (NCCL tears a communicator down with all its ranks), then get
-        STOP_SECONDS to leave. Otherwise they are killed at once. The buffer is unlinked either way."""
+        STOP_SECONDS to leave. Otherwise they are killed first, and rank 0's group aborted, so that
+        rank 0's exit cannot wait on a collective they will never join. The buffer is unlinked either way."""
         self._stopping = True
         if self.processes:
             os.write(self._wake_write, b"x")
@@ -176,20 +177,28 @@ class Workers:
             if graceful:
                 try:
                     self.channel.send("exit", (), self.check)
-                except RuntimeError:
+                except WorkerDied:
                     graceful = False
+            if not graceful:
+                self._kill()
+                if self.group is not None:
+                    self._abort_group()
         try:
             if exit_rank0 is not None:
                 exit_rank0()
         finally:
             self._reap(STOP_SECONDS if graceful else 0)
 
+    def _kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
     def _reap(self, timeout: float) -> None:
         for process in self.processes:
             process.join(timeout)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        self._kill()
         for tap in self.taps:
             tap.close()
         if self.channel is not None:

@@ -41,11 +41,18 @@ class TensorParallelGroup:
         torch.cuda.synchronize(device)
         return cls(rank, size, backend, store)
 
+    def _live_backend(self):
+        """The backend, unless aborted: an NCCL collective on an aborted communicator would hand back
+        garbage, and the host would go on building or stepping with it."""
+        if self.aborted:
+            raise RuntimeError("the tensor-parallel group was aborted: a rank died")
+        return self.backend
+
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
-            self.backend.allreduce([x], opts).wait()
+            self._live_backend().allreduce([x], opts).wait()
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -55,7 +62,7 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        self.backend.gather([parts] if self.rank == 0 else [], [x], opts).wait()
+        self._live_backend().gather([parts] if self.rank == 0 else [], [x], opts).wait()
         return torch.cat(parts, -1) if self.rank == 0 else None
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +70,7 @@ class TensorParallelGroup:
         if self.size > 1:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            self.backend.broadcast([x], opts).wait()
+            self._live_backend().broadcast([x], opts).wait()
         return x
 
     def announce(self, key: str) -> None:

@@ -181,7 +181,7 @@ GENERATE_FOREVER = """
     from nanovllm import LLM, SamplingParams
     if __name__ == "__main__":
         llm = LLM({model!r}, **{args!r})
-        print(llm.workers.processes[0].pid, flush=True)
+        print("worker", llm.workers.processes[0].pid, flush=True)
         while True:
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
 """
@@ -190,14 +190,30 @@ GENERATE_FOREVER = """
 def start_generating_forever(tmp_path, model_dir, device):
     child = run_script(tmp_path, GENERATE_FOREVER.format(model=str(model_dir), args=engine_args(device)),
                        start_new_session=True)      # its own process group, as a terminal would have
-    worker_pid = int(child.stdout.readline())
+    for line in child.stdout:                       # (NCCL may print its version first)
+        if line.startswith("worker "):
+            worker_pid = int(line.split()[1])
+            break
+    else:
+        pytest.fail(f"the script ended before it started generating:\n{child.stderr.read()[-3000:]}")
     time.sleep(1.0)                                 # well inside generate
     return child, worker_pid
 
 
-def test_ctrl_c_during_generate_stops_every_process(model_dir, device, tmp_path):
-    shm_before = shm_segments()
+@pytest.fixture
+def generating_script(model_dir, device, tmp_path):
+    """A TP=2 script in the middle of an endless generate; killed with its group if a test fails."""
     child, worker_pid = start_generating_forever(tmp_path, model_dir, device)
+    yield child, worker_pid
+    if child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+    if not gone(worker_pid):
+        os.kill(worker_pid, signal.SIGKILL)
+
+
+def test_ctrl_c_during_generate_stops_every_process(generating_script, device):
+    child, worker_pid = generating_script
+    assert glob.glob(f"/dev/shm/nanovllm-{child.pid}-*"), "the script's buffer should exist while it runs"
     t = time.monotonic()
     os.killpg(child.pid, signal.SIGINT)             # Ctrl-C: the whole foreground group gets it
     _, stderr = child.communicate(timeout=30)
@@ -206,17 +222,16 @@ def test_ctrl_c_during_generate_stops_every_process(model_dir, device, tmp_path)
     assert "KeyboardInterrupt" in stderr, stderr[-3000:]
     assert elapsed < RAISE_WITHIN
     assert wait_until(lambda: gone(worker_pid), 5), "the worker outlived its script"
-    assert shm_segments() == shm_before
+    assert not glob.glob(f"/dev/shm/nanovllm-{child.pid}-*")
 
 
-def test_a_killed_rank0_takes_its_workers_along(model_dir, device, tmp_path):
-    shm_before = shm_segments()
-    child, worker_pid = start_generating_forever(tmp_path, model_dir, device)
+def test_a_killed_rank0_takes_its_workers_along(generating_script, device):
+    child, worker_pid = generating_script
     t = time.monotonic()
     child.kill()
     child.communicate(timeout=30)
     assert wait_until(lambda: gone(worker_pid), RAISE_WITHIN), "an orphaned worker kept running"
     elapsed = time.monotonic() - t
     # the resource tracker unlinks the buffer once rank 0 and the worker are both gone
-    assert wait_until(lambda: shm_segments() == shm_before, 5)
+    assert wait_until(lambda: not glob.glob(f"/dev/shm/nanovllm-{child.pid}-*"), 5)
     print(f"\n[{device}] rank 0 killed: its worker was gone after {elapsed:.2f} s")
