@@ -143,7 +143,7 @@ class Workers:
             return TensorParallelGroup()
         # wait here, watching the workers, until each is at the group's door (it has started, imported
         # and is joining): the wait inside the group's constructor could not look at them
-        joined = [f"joined/{rank}" for rank in range(1, self.world_size)]
+        joined = [TensorParallelGroup.joined_key(rank) for rank in range(1, self.world_size)]
         while not self.rank0_store.check(joined):
             self.check()
             time.sleep(0.02)
@@ -175,9 +175,16 @@ class Workers:
             os.write(self._wake_write, b"x")
             graceful = graceful and self.channel is not None and not self._died.is_set()
             if graceful:
+                deadline = time.monotonic() + STOP_SECONDS
+
+                def check_in_time():    # a worker that neither reads nor dies is killed, not waited for
+                    self.check()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+
                 try:
-                    self.channel.send("exit", (), self.check)
-                except WorkerDied:
+                    self.channel.send("exit", (), check_in_time)
+                except (WorkerDied, TimeoutError):
                     graceful = False
             if not graceful:
                 self._kill()

@@ -26,17 +26,22 @@ class TensorParallelGroup:
         self.aborted = False
         self._lock = threading.Lock()     # abort() comes from rank 0's worker monitor thread
 
+    @staticmethod
+    def joined_key(rank: int) -> str:
+        """The store key a rank sets as it starts joining the group."""
+        return f"joined/{rank}"
+
     @classmethod
     def connect(cls, rank: int, size: int, store: dist.Store, device: torch.device) -> "TensorParallelGroup":
         """Join the group that rendezvouses through `store` (NCCL on CUDA, else gloo)."""
-        store.set(f"joined/{rank}", "1")      # rank 0 waits for the others' keys, watching their processes
+        store.set(cls.joined_key(rank), "1")      # rank 0 waits for the others' keys, watching their processes
         if device.type != "cuda":
             return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT), store)
         backend = dist.ProcessGroupNCCL(store, rank, size, COLLECTIVE_TIMEOUT)
         # Build the communicator now, once every rank is known to be alive: NCCL would otherwise build it
         # in the first collective, and a rank that died before joining would leave the others inside
         # ncclCommInitRank, where nothing can break them off. A wait on the store can be broken off.
-        store.wait([f"joined/{r}" for r in range(size)])
+        store.wait([cls.joined_key(r) for r in range(size)])
         backend.allreduce([torch.zeros(1, device=device)]).wait()
         torch.cuda.synchronize(device)
         return cls(rank, size, backend, store)

@@ -235,3 +235,19 @@ def test_a_killed_rank0_takes_its_workers_along(generating_script, device):
     # the resource tracker unlinks the buffer once rank 0 and the worker are both gone
     assert wait_until(lambda: not glob.glob(f"/dev/shm/nanovllm-{child.pid}-*"), 5)
     print(f"\n[{device}] rank 0 killed: its worker was gone after {elapsed:.2f} s")
+
+
+def test_exit_does_not_wait_forever_for_a_worker_that_stopped_responding(model_dir, device):
+    """A worker that neither reads nor dies (SIGSTOP stands in for a hung one) is killed after
+    STOP_SECONDS: exit() returns, and nothing is left."""
+    from nanovllm.engine.tensor_parallel import STOP_SECONDS
+    shm_before = shm_segments()
+    llm = LLM(str(model_dir), **engine_args(device))
+    workers = list(llm.workers.processes)
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    t = time.monotonic()
+    llm.exit()
+    elapsed = time.monotonic() - t
+    print(f"\n[{device}] exit() with a stopped worker took {elapsed:.2f} s")
+    assert elapsed < STOP_SECONDS + 5
+    assert all(not p.is_alive() for p in workers) and shm_segments() == shm_before
