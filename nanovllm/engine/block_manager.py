@@ -104,6 +104,15 @@ class BlockManager:
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
 
+    def forget_unwritten(self, seq: Sequence) -> None:
+        """seq's scheduled step will never run (it was aborted): its blocks registered for that step
+        hold nothing, so they must not be hit."""
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+            block = self.blocks[block_id]
+            if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = -1, []
+
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -140,12 +149,16 @@ class BlockManager:
         child.block_table[-1] = self._allocate_block(self.free_block_ids[0]).block_id
         return last, child.block_table[-1]
 
-    def hash_blocks(self, seq: Sequence) -> None:
-        """Register seq's full blocks whose KV is computed (or being computed: later readers queue
-        behind it on the device) and whose tokens are known, so later requests can hit them."""
+    def hash_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Register seq's full blocks whose KV is computed, or will be by a step already scheduled
+        (`num_computed`: tokens computed once it runs), and whose tokens are known, so later requests can
+        hit them. A reader in the same step is safe: each layer stores the step's K/V before its
+        attention reads; a reader in a later step queues behind it on the device."""
         if not self.enable_prefix_caching:
             return
-        end = min(seq.num_cached_tokens, seq.num_tokens - seq.num_pending_tokens) // self.block_size
+        if num_computed is None:
+            num_computed = seq.num_cached_tokens
+        end = min(num_computed, seq.num_tokens - seq.num_pending_tokens) // self.block_size
         start = end
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1

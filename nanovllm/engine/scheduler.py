@@ -70,6 +70,8 @@ class Scheduler:
             if last_chunk and seq.num_forks and not self.block_manager.can_fork(seq, seq.num_forks):
                 break                       # its completions need blocks of their own: wait for some
             seq.num_scheduled_tokens = min(num_new_tokens, budget)
+            # prompts scheduled after this one in the same step can already share what it computes
+            self.block_manager.hash_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
             budget -= seq.num_scheduled_tokens
             self.num_prefilled_tokens += seq.num_scheduled_tokens
             scheduled.append(seq)
@@ -184,6 +186,9 @@ class Scheduler:
     def abort_all(self) -> list[Sequence]:
         """Drop every request and free its blocks (after a failed step); returns the dropped ones."""
         dropped = [*self.running, *self.waiting, *self.finishing]
+        for seq in dropped:
+            if seq.num_scheduled_tokens:    # scheduled, never launched: what it registered was not written
+                self.block_manager.forget_unwritten(seq)
         for seq in dropped:
             if seq.block_table:
                 self.block_manager.deallocate(seq)

@@ -211,3 +211,45 @@ def test_decode_batch_comes_longest_first_and_preemption_order_is_kept():
     seqs, is_prefill = s.schedule()
     assert not is_prefill and seqs == [b, c, a]
     assert list(s.running) == [a, b, c]         # the newest is still the first to be preempted
+
+
+def test_prompts_scheduled_in_one_step_share_the_prefix_the_first_computes():
+    """The first prompt of a prefix registers the blocks its scheduled chunk computes as it is scheduled;
+    the others in the same step hit them (a layer stores K/V before its attention reads them)."""
+    s = scheduler()
+    prefix = list(range(1, 11))                              # two full blocks and a half
+    a, b, c = (Sequence(prefix + [50 + i, 60 + i], SamplingParams(), BS) for i in range(3))
+    other = seq(9, first=200)
+    for x in (a, other, b, c):
+        s.add(x)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [a, other, b, c]
+    assert a.num_cached_tokens == other.num_cached_tokens == 0
+    assert b.num_cached_tokens == c.num_cached_tokens == 2 * BS
+    assert b.block_table[:2] == c.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert s.stats()["num_prefix_cache_hit_tokens"] == 4 * BS
+
+
+def test_a_prompt_finishing_its_chunks_shares_with_one_scheduled_after_it():
+    s = scheduler(max_num_batched_tokens=7)
+    a, b = (Sequence(list(range(1, 13)) + [99], SamplingParams(), BS) for _ in range(2))
+    s.add(a), s.add(b)
+    seqs, _ = s.schedule()                  # a's first 7 tokens: the step's whole budget
+    assert seqs == [a] and a.num_scheduled_tokens == 7 and not b.block_table
+    s.launched(seqs)
+    seqs, _ = s.schedule()                  # a's last 6 tokens, then b hits a's three full blocks
+    assert seqs == [a, b] and b.num_cached_tokens == 3 * BS and b.num_scheduled_tokens == 1
+
+
+def test_an_aborted_step_leaves_no_hit_on_blocks_it_never_wrote():
+    s = scheduler()
+    prefix = list(range(1, 13))
+    a, b = (Sequence(prefix + [50 + i], SamplingParams(), BS) for i in range(2))
+    s.add(a), s.add(b)
+    s.schedule()                            # both scheduled, b sharing a's blocks; never launched
+    assert b.num_cached_tokens == 3 * BS
+    s.abort_all()
+    c = Sequence(prefix + [70], SamplingParams(), BS)
+    s.add(c)
+    s.schedule()
+    assert c.num_cached_tokens == 0

@@ -50,3 +50,22 @@ def test_prefix_caching_on_and_off_agree_and_hits_are_what_the_prefix_implies(ti
             assert after["num_prefilled_tokens"] - before["num_prefilled_tokens"] == \
                 sum(map(len, others)) - expected_hits
     assert results[True] == results[False]
+
+
+def test_prompts_sharing_a_prefix_in_one_step_hit_it_and_decode_as_without_the_cache(tiny_model):
+    """Nothing cached beforehand, every prompt in the same prefill step: each prefix is computed once (by
+    its first prompt), the others read its blocks as that step writes them, and greedy outputs are
+    those of an engine without a prefix cache."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(512) for _ in range(40)] for _ in range(3)]      # two full blocks each
+    prompts = [p + [rng.randrange(512) for _ in range(rng.randint(1, 9))] for p in prefixes for _ in range(4)]
+    rng.shuffle(prompts)
+    results = {}
+    for caching in (True, False):
+        with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128,
+                 enable_prefix_caching=caching) as llm:
+            results[caching] = token_ids(llm.generate(prompts, greedy(6), use_tqdm=False))
+            expected_hits = (len(prompts) - len(prefixes)) * 2 * BLOCK if caching else 0
+            assert llm.stats["num_prefix_cache_hit_tokens"] == expected_hits
+            assert llm.stats["num_prefilled_tokens"] == sum(map(len, prompts)) - expected_hits
+    assert results[True] == results[False]
