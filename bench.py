@@ -3,6 +3,8 @@
     python bench.py                      # nanovllm; on a GPU the Qwen3-0.6B shape with random weights
     python bench.py --engine hf          # the same workload through transformers' continuous batching
     python bench.py --model DIR --json   # any checkpoint; a JSON object of every figure as the last line
+    python bench.py --workload all       # five regimes: standard, single-stream, long-context, prefill-heavy,
+                                         # shared-prefix, each with its own floor
 
 The workload is drawn exactly as nano-vllm's bench.py draws it (random.seed(0); all prompts, then all
 output lengths), so token counts match upstream's. The floor is what the hardware cannot beat: decode
@@ -34,6 +36,8 @@ ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens"
 class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
+    shared_tokens: list[int] | None = None   # per prompt: leading tokens an earlier prompt already computed
+    temperature: float | None = None         # None: the command line's; single-stream is greedy
 
 
 def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: int = 0) -> Workload:
@@ -43,6 +47,48 @@ def make_workload(num_seqs: int, max_input_len: int, max_output_len: int, seed: 
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(low_in, max_input_len))] for _ in range(num_seqs)]
     max_tokens = [rng.randint(low_out, max_output_len) for _ in range(num_seqs)]
     return Workload(prompts, max_tokens)
+
+
+# --workload: the five regimes of issue #14, drawn at a GPU's scale and at a small CPU scale. Token ids
+# are uniform in [0, 10000) as upstream's; every request ignores eos.
+WORKLOADS = ("standard", "single-stream", "long-context", "prefill-heavy", "shared-prefix")
+WORKLOAD_MAX_MODEL_LEN = 16384
+WORKLOAD_SIZES = {
+    "cuda": {"single-stream": dict(prompt_len=512, output_len=1024),
+             "long-context": dict(num_seqs=16, prompt_len=12000, output_len=512),
+             "prefill-heavy": dict(num_seqs=512, prompt_len=2000, output_len=8),
+             "shared-prefix": dict(num_prefixes=8, prefix_len=2000, num_suffixes=32, suffix_len=64, output_len=256)},
+    "cpu": {"single-stream": dict(prompt_len=32, output_len=16),
+            "long-context": dict(num_seqs=2, prompt_len=384, output_len=8),
+            "prefill-heavy": dict(num_seqs=8, prompt_len=64, output_len=2),
+            # two full blocks of the default kvcache_block_size (256) per prefix, so the prefix cache can share them
+            "shared-prefix": dict(num_prefixes=2, prefix_len=512, num_suffixes=4, suffix_len=8, output_len=4)},
+}
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(0, 9999) for _ in range(n)]
+
+
+def draw_workload(name: str, device: str, seed: int = 0, **standard) -> Workload:
+    """One of WORKLOADS at the device's scale; `standard` takes make_workload's sizes."""
+    if name == "standard":
+        return make_workload(**standard, seed=seed)
+    # a stream of its own per workload: with one seed for all, every workload's first prompt would start
+    # with the same tokens, and the prefix cache would carry hits from one workload into the next
+    size, rng = WORKLOAD_SIZES[device][name], random.Random(f"{name}/{seed}")
+    if name == "single-stream":
+        return Workload([random_tokens(rng, size["prompt_len"])], [size["output_len"]], temperature=0.0)
+    if name in ("long-context", "prefill-heavy"):
+        return Workload([random_tokens(rng, size["prompt_len"]) for _ in range(size["num_seqs"])],
+                        [size["output_len"]] * size["num_seqs"])
+    prefixes = [random_tokens(rng, size["prefix_len"]) for _ in range(size["num_prefixes"])]
+    prompts, shared = [], []
+    for prefix in prefixes:                  # each prefix's suffixes together: its first prompt computes it
+        for i in range(size["num_suffixes"]):
+            prompts.append(prefix + random_tokens(rng, size["suffix_len"]))
+            shared.append(size["prefix_len"] if i else 0)
+    return Workload(prompts, [size["output_len"]] * len(prompts), shared_tokens=shared)
 
 
 RANDOM_SHAPES = ("qwen3-0.6b", "qwen3-8b")
@@ -119,12 +165,15 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * itemsize
     lengths = [(len(p), o) for p, o in zip(workload.prompts, workload.max_tokens)]
+    shared = workload.shared_tokens or [0] * len(lengths)
     kv_bytes = kv_bytes_per_token * sum(o * p + o * (o - 1) // 2 for p, o in lengths)   # sum_{t<o} (p + t)
     weight_bytes = num_params * itemsize * max(workload.max_tokens)
     embedding = hf.vocab_size * hf.hidden_size     # a lookup, not a matmul; the head runs for last tokens only
     body = num_params - embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
     attention = 2 * hf.num_hidden_layers * hf.num_attention_heads * head_dim   # QK^T + PV, causal, per p(p+1)
-    prefill_flops = sum(2 * body * p + 2 * embedding + attention * p * (p + 1) for p, _ in lengths)
+    # tokens c..p-1 of a prompt whose first c are shared: the body for p - c tokens, attention over i + 1 keys
+    prefill_flops = sum(2 * body * (p - c) + 2 * embedding + attention * (p * (p + 1) - c * (c + 1))
+                        for (p, _), c in zip(lengths, shared))
     floor_s = (kv_bytes + weight_bytes) / bandwidth + prefill_flops / flops
     return dict(kv_read_bytes=kv_bytes, weight_read_bytes=weight_bytes, prefill_flops=prefill_flops,
                 bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s)
@@ -136,11 +185,11 @@ def sampling_options(args: argparse.Namespace) -> dict:
                 logprobs=args.logprobs, n=args.n)
 
 
-def make_engine(args: argparse.Namespace, model: Path):
+def make_engine(args: argparse.Namespace, model: Path, max_model_len: int = MAX_MODEL_LEN):
     from nanovllm import LLM, SamplingParams
 
     knobs = {name: getattr(args, name) for name in ENGINE_KNOBS if getattr(args, name) is not None}
-    llm = LLM(str(model), enforce_eager=args.enforce_eager, max_model_len=MAX_MODEL_LEN, **knobs)
+    llm = LLM(str(model), enforce_eager=args.enforce_eager, max_model_len=max_model_len, **knobs)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     return llm
 
@@ -152,7 +201,9 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
     milliseconds) is filed under decode. The total is exact."""
     from nanovllm import SamplingParams
 
-    preemptions_before = llm.stats["num_preemptions"]
+    preemptions_before, hits_before = llm.stats["num_preemptions"], llm.stats["num_prefix_cache_hit_tokens"]
+    if workload.temperature is not None:
+        options = dict(options, temperature=workload.temperature)
     params = [SamplingParams(ignore_eos=True, max_tokens=m, **options) for m in workload.max_tokens]
     prefill_s = decode_s = 0.0
     generated = 0
@@ -173,6 +224,7 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
     stats, config = llm.stats, llm.config
     return dict(time_s=elapsed, generated=generated, prefill_time_s=prefill_s, decode_time_s=decode_s,
                 num_preemptions=stats["num_preemptions"] - preemptions_before,
+                prefix_cache_hit_tokens=stats["num_prefix_cache_hit_tokens"] - hits_before,
                 peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
                 hf_config=config.hf_config, dtype=config.dtype,
                 num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
@@ -234,7 +286,7 @@ def run_hf(model: Path, workload: Workload, device: torch.device) -> dict:
             generated = collect_hf(manager, request_ids, pbar)
             elapsed = perf_counter() - start
     return dict(time_s=elapsed, generated=generated, prefill_time_s=None, decode_time_s=None, num_preemptions=None,
-                peak_kv_blocks=None, num_kv_blocks=None, hf_config=hf_model.config, dtype=hf_model.dtype, num_devices=1)
+                prefix_cache_hit_tokens=None, peak_kv_blocks=None, num_kv_blocks=None, hf_config=hf_model.config, dtype=hf_model.dtype, num_devices=1)
 
 
 def rate(tokens: int, seconds: float) -> str:
@@ -254,7 +306,8 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
         print(f"Prefill: {prompt_tokens}tok in {prefill_s:.2f}s ({rate(prompt_tokens, prefill_s)}), "
               f"Decode: {decoded}tok in {decode_s:.2f}s ({rate(decoded, decode_s)})")
         peak, total = result["peak_kv_blocks"], result["num_kv_blocks"]
-        print(f"Preemptions: {result['num_preemptions']}, Peak KV blocks in use: {peak} / {total} ({peak / total:.0%})")
+        print(f"Preemptions: {result['num_preemptions']}, Peak KV blocks in use: {peak} / {total} ({peak / total:.0%}), "
+              f"prefix-cache hits: {result['prefix_cache_hit_tokens']}tok")
     else:
         print("Prefill/decode split, preemptions, KV blocks: not reported by transformers")
     fraction = floor["floor_s"] / elapsed
@@ -287,7 +340,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "floor; default: measured by timing a large device-to-device copy")
     parser.add_argument("--peak-tflops", type=float, help="peak matmul TFLOP/s for the prefill part of the floor; "
                         "default: 800 on CUDA, a measured float32 matmul on CPU")
-    parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object, last line")
+    parser.add_argument("--workload", choices=(*WORKLOADS, "all"),
+                        help="one of the five regimes (or all of them, on one engine with max_model_len "
+                        f"{WORKLOAD_MAX_MODEL_LEN} on a GPU): standard (the default workload), single-stream (1 "
+                        "request, 512-token prompt, 1,024 tokens greedy; also ms/token and time to first token), "
+                        "long-context (16 x 12,000-token prompts, 512 out), prefill-heavy (512 x 2,000, 8 out), "
+                        "shared-prefix (8 prefixes of 2,000 tokens x 32 suffixes of 64, 256 out); small sizes on CPU")
+    parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object, last line "
+                        "(with --workload: one object per workload, each on its own line)")
     sampling = parser.add_argument_group("sampling (nanovllm; the standard workload is temperature 0.6 alone; "
                                          "Qwen3's own settings: --top-p 0.95 --top-k 20)")
     sampling.add_argument("--temperature", type=float, default=0.6)
@@ -308,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.engine == "hf" and args.workload is not None:
+        parser.error("--workload runs the nanovllm engine only")
     if args.engine == "hf" and (args.enforce_eager or any(getattr(args, k) is not None for k in ENGINE_KNOBS)):
         parser.error("the nanovllm engine knobs do not apply to --engine hf")
     if args.engine == "hf" and sampling_options(args) != sampling_options(parser.parse_args([])):
@@ -327,22 +389,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def floor_for(result: dict, model: Path, workload: Workload, bandwidth: float, flops: float) -> dict:
+    hf_config = result["hf_config"]
+    num_params = count_parameters(model, getattr(hf_config, "tie_word_embeddings", False))
+    return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload,
+                          bandwidth * result["num_devices"], flops * result["num_devices"])
+
+
+def run_workloads(args: argparse.Namespace, model: Path, bandwidth: float, flops: float) -> list[dict]:
+    """--workload: each named workload in turn on one engine (warmed up once), a report and (--json) a
+    JSON line each."""
+    from nanovllm import SamplingParams
+
+    names = WORKLOADS if args.workload == "all" else (args.workload,)
+    standard = dict(num_seqs=args.num_seqs, max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    max_model_len = WORKLOAD_MAX_MODEL_LEN if args.device == "cuda" else MAX_MODEL_LEN
+    llm = make_engine(args, model, max_model_len)
+    all_figures = []
+    try:
+        for name in names:
+            workload = draw_workload(name, args.device, args.seed, **standard)
+            extra = {}
+            if name == "single-stream":      # a lone request of the same length, on its own (not cached)
+                lone = draw_workload(name, args.device, args.seed + 1).prompts[0]
+                start = perf_counter()
+                llm.generate([lone], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+                extra["ttft_ms"] = (perf_counter() - start) * 1e3
+            print(f"== {name}: {len(workload.prompts)} requests, {sum(map(len, workload.prompts))} prompt tokens, "
+                  f"{sum(workload.max_tokens)} to generate ==")
+            result = run_workload(llm, workload, sampling_options(args), desc=name)
+            figures = report(result, floor_for(result, model, workload, bandwidth, flops), workload, args.n)
+            if name == "single-stream":
+                extra["ms_per_token"] = figures["time_s"] * 1e3 / figures["total_tokens"]
+                print(f"Single stream: {extra['ms_per_token']:.3f} ms/token, time to first token of a lone "
+                      f"{len(workload.prompts[0])}-token request {extra['ttft_ms']:.1f} ms")
+            figures = dict(workload=name, engine="nanovllm", model=str(model), device=args.device,
+                           max_model_len=llm.config.max_model_len, seed=args.seed, **sampling_options(args),
+                           **figures, **extra)
+            if workload.temperature is not None:
+                figures["temperature"] = workload.temperature
+            if args.json:
+                print(json.dumps(figures))
+            all_figures.append(figures)
+    finally:
+        llm.exit()
+    return all_figures
+
+
+def main(argv: list[str] | None = None) -> dict | list[dict]:
     args = parse_args(argv)
     device = torch.device(args.device)
-    workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len, args.seed)
     bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else measure_bandwidth(device)
     flops = (args.peak_tflops * 1e12 if args.peak_tflops is not None
              else 800e12 if device.type == "cuda" else measure_cpu_flops())
     model = args.model or default_model(device.type, args.shape)
+    if args.workload is not None:
+        return run_workloads(args, model, bandwidth, flops)
+    workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len, args.seed)
     if args.engine == "nanovllm":
         result = run_nanovllm(args, model, workload)
     else:
         result = run_hf(model, workload, device)
-    hf_config = result["hf_config"]
-    num_params = count_parameters(model, getattr(hf_config, "tie_word_embeddings", False))
-    floor = hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload,
-                           bandwidth * result["num_devices"], flops * result["num_devices"])
+    floor = floor_for(result, model, workload, bandwidth, flops)
     figures = dict(engine=args.engine, model=str(model), device=device.type, num_seqs=args.num_seqs,
                    max_input_len=args.max_input_len, max_output_len=args.max_output_len, seed=args.seed,
                    **(sampling_options(args) if args.engine == "nanovllm" else {}),

@@ -116,3 +116,57 @@ def test_sampling_options_reach_the_engine_and_n_counts_every_completion(checkpo
 def test_bad_sampling_options_are_refused(argv):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_each_workload_is_drawn_as_its_regime_says(device):
+    sizes = bench.WORKLOAD_SIZES[device]
+    standard = bench.draw_workload("standard", device, 0, num_seqs=256, max_input_len=1024, max_output_len=1024)
+    assert standard == bench.make_workload(256, 1024, 1024, seed=0)       # upstream's draw, untouched
+    single = bench.draw_workload("single-stream", device)
+    assert [len(p) for p in single.prompts] == [sizes["single-stream"]["prompt_len"]]
+    assert single.max_tokens == [sizes["single-stream"]["output_len"]] and single.temperature == 0.0
+    for name in ("long-context", "prefill-heavy"):
+        w, size = bench.draw_workload(name, device), sizes[name]
+        assert len(w.prompts) == size["num_seqs"] and {len(p) for p in w.prompts} == {size["prompt_len"]}
+        assert w.max_tokens == [size["output_len"]] * size["num_seqs"] and len(set(map(tuple, w.prompts))) > 1
+    shared, size = bench.draw_workload("shared-prefix", device), sizes["shared-prefix"]
+    n, p = size["num_suffixes"], size["prefix_len"]
+    assert len(shared.prompts) == size["num_prefixes"] * n
+    assert {len(q) for q in shared.prompts} == {p + size["suffix_len"]}
+    groups = [shared.prompts[i:i + n] for i in range(0, len(shared.prompts), n)]
+    assert all(len({tuple(q[:p]) for q in group}) == 1 for group in groups)     # one prefix per group
+    assert len({tuple(group[0][:p]) for group in groups}) == size["num_prefixes"]
+    assert shared.shared_tokens == ([0] + [p] * (n - 1)) * size["num_prefixes"]
+    ours = [single, shared, *(bench.draw_workload(w, device) for w in ("long-context", "prefill-heavy"))]
+    assert all(0 <= t < 10000 for w in ours for q in w.prompts for t in q)     # (upstream's draw: <= 10000)
+    assert len({tuple(w.prompts[0][:16]) for w in ours}) == len(ours)          # no workload starts like another
+    assert bench.draw_workload("shared-prefix", device, seed=1).prompts != shared.prompts
+
+
+def test_a_shared_prefix_is_not_counted_twice_in_the_prefill_floor():
+    config = AutoConfig.for_model("qwen3", **QWEN3_0_6B)
+    prompt = list(range(100))
+    alone = bench.Workload([prompt], [1])
+    both = bench.Workload([prompt, prompt], [1, 1], shared_tokens=[0, 100])
+    floor = lambda w: bench.hardware_floor(config, 596_049_920, 2, w, bandwidth=3e12, flops=800e12)["prefill_flops"]
+    embedding_head = 2 * config.vocab_size * config.hidden_size          # the second prompt's last-token logits
+    assert floor(both) == floor(alone) + embedding_head
+
+
+def test_every_workload_runs_end_to_end_with_a_json_line_each(capsys, checkpoint):
+    all_figures = bench.main(["--model", str(checkpoint), "--workload", "all", "--json"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert lines == json.loads(json.dumps(all_figures))
+    assert [f["workload"] for f in lines] == list(bench.WORKLOADS)
+    for figures in lines:
+        assert 0 < figures["fraction_of_floor"] <= 1 and figures["throughput"] > 0
+    by_name = {f["workload"]: f for f in lines}
+    single = by_name["single-stream"]
+    assert single["temperature"] == 0.0 and single["ttft_ms"] > 0
+    assert single["ms_per_token"] == pytest.approx(single["time_s"] * 1e3 / single["total_tokens"])
+    size = bench.WORKLOAD_SIZES["cpu"]["shared-prefix"]
+    # every request but the first of its prefix reads the prefix's full blocks from the cache
+    full_blocks = size["prefix_len"] // 256 * 256
+    assert by_name["shared-prefix"]["prefix_cache_hit_tokens"] == \
+        size["num_prefixes"] * (size["num_suffixes"] - 1) * full_blocks
