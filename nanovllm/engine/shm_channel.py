@@ -44,13 +44,23 @@ class ShmChannel:
         n = len(data)
         if n + 4 > SHM_SIZE:
             raise RuntimeError(f"a {method_name!r} message of {n} bytes outgrows the {SHM_SIZE}-byte shared buffer")
-        for signals in self.signals:
-            while not signals.message_read.acquire(timeout=CHECK_SECONDS):
-                check()
+        self._wait_until_read(check)
         self.shm.buf[0:4] = n.to_bytes(4, "little")
         self.shm.buf[4:n + 4] = data
         for signals in self.signals:
             signals.message_waiting.release()
+
+    def _wait_until_read(self, check: Callable[[], None]) -> None:
+        """Take every worker's "read" token: the buffer is then free to overwrite."""
+        for signals in self.signals:
+            while not signals.message_read.acquire(timeout=CHECK_SECONDS):
+                check()
+
+    def wait_until_read(self, check: Callable[[], None]) -> None:
+        """Wait until every worker has read the last message (and leave the tokens for the next send)."""
+        self._wait_until_read(check)
+        for signals in self.signals:
+            signals.message_read.release()
 
     def receive(self, idle_check: Callable[[], None]) -> tuple[str, list]:
         """Wait for the next message, calling `idle_check` every IDLE_CHECK_SECONDS while none comes."""

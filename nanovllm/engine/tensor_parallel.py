@@ -166,9 +166,9 @@ class Workers:
 
     # ---- stopping ---------------------------------------------------------------------------------------
     def stop(self, exit_rank0=None, graceful: bool = True) -> None:
-        """Stop every rank. Graceful (and every worker alive): the workers are told to `exit` while rank 0
-        runs `exit_rank0` beside them (NCCL tears a communicator down with all its ranks), then get
-        STOP_SECONDS to leave. Otherwise they are killed first, and rank 0's group aborted, so that
+        """Stop every rank. Graceful (and every worker alive): the workers are told to `exit` and, once each
+        has read it (within STOP_SECONDS), rank 0 runs `exit_rank0` beside them (NCCL tears a communicator
+        down with all its ranks); they then get STOP_SECONDS to leave. Otherwise they are killed first, and rank 0's group aborted, so that
         rank 0's exit cannot wait on a collective they will never join. The buffer is unlinked either way."""
         self._stopping = True
         if self.processes:
@@ -182,8 +182,9 @@ class Workers:
                     if time.monotonic() > deadline:
                         raise TimeoutError
 
-                try:
+                try:       # rank 0 tears its communicator down only beside workers that do the same
                     self.channel.send("exit", (), check_in_time)
+                    self.channel.wait_until_read(check_in_time)
                 except (WorkerDied, TimeoutError):
                     graceful = False
             if not graceful:
