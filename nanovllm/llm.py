@@ -43,17 +43,23 @@ class LLM(LLMEngine):
         tokenizer's chat template; one output per conversation, as generate() gives them.
         sampling_params=None: get_default_sampling_params()."""
         conversations = _conversations(messages)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        prompts = [self._render(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """One conversation's prompt token ids, as chat() would generate from them."""
+        [conversation] = _conversations([messages])
+        return self._render(conversation, add_generation_prompt)
+
+    def _render(self, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.config.model} has no chat template; "
                              f"use generate() with plain prompts")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))  # the template holds any BOS
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)   # the template holds any BOS
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json values (if any) for temperature,

@@ -112,6 +112,10 @@ class LLMEngine:
                              f"start in the KV cache of {num_blocks} blocks of {block_size} tokens")
         return Sequence(token_ids, sampling_params, block_size)
 
+    def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> None:
+        """Raise (ValueError or TypeError, naming the problem) where generate() would refuse this request."""
+        self._make_sequence(prompt, sampling_params)
+
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
         seq = self._make_sequence(prompt, sampling_params)
         self.scheduler.add(seq)

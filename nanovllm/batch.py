@@ -1,0 +1,237 @@
+"""Data-parallel batch inference on Ray Data: one LLM per replica, rows streamed through.
+
+    python -m nanovllm.batch MODEL --input IN.jsonl --output OUT.jsonl --replicas 2 --temperature 0
+
+A row has an "id" and one of "prompt" (text), "prompt_token_ids" or "messages" (a chat, through the
+chat template), optionally "sampling_params" (a dict over the command line's). Each output row is
+{"id", "text", "token_ids", "finish_reason"}, or {"id", "error"} for a row the engine refuses.
+
+Built on the public API only, and nothing in the core imports it: Ray is the optional `ray` extra.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from nanovllm.config import Config
+from nanovllm.sampling_params import SamplingParams
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+
+
+def _missing(value) -> bool:
+    """A field the row does not have: readers fill it with null (Arrow) or NaN (pandas' JSON reader)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _defined(mapping: dict | None) -> dict:
+    """A row's dict without the fields filled in for other rows (a struct column has every row's keys)."""
+    return {k: v for k, v in (mapping or {}).items() if not _missing(v)} if isinstance(mapping, dict) else {}
+
+
+class Replica:
+    """One engine, in one Ray actor (its tensor-parallel workers inside it). Each call gets a batch of
+    rows (a pyarrow Table) and answers every row: a bad row becomes an error row, never a failed batch."""
+
+    def __init__(self, model: str, sampling_params: dict, llm_kwargs: dict):
+        from nanovllm import LLM
+        self.llm = LLM(model, **llm_kwargs)
+        self.sampling_params = sampling_params
+        self.name = f"{os.uname().nodename}:{os.getpid()}"
+
+    def _request(self, row: dict) -> tuple[Any, SamplingParams]:
+        given = [key for key in PROMPT_KEYS if not _missing(row.get(key))]
+        if len(given) != 1:
+            raise ValueError(f"a row needs exactly one of {PROMPT_KEYS}, got {given or 'none'}")
+        key = given[0]
+        prompt = row[key]
+        if key == "messages":
+            prompt = self.llm.chat_prompt([_defined(message) for message in prompt])
+        elif key == "prompt_token_ids":
+            prompt = list(prompt)
+        params = SamplingParams(**{**self.sampling_params, **_defined(row.get("sampling_params"))})
+        self.llm.check_request(prompt, params)
+        return prompt, params
+
+    def __call__(self, batch) -> dict[str, list]:
+        rows = batch.to_pylist()
+        answers: list[dict] = [{} for _ in rows]
+        requests = []
+        for i, row in enumerate(rows):
+            try:
+                requests.append((i, *self._request(row)))
+            except (ValueError, TypeError, KeyError) as error:
+                answers[i] = {"error": f"{type(error).__name__}: {error}"}
+        if requests:
+            outputs = self.llm.generate([p for _, p, _ in requests], [sp for _, _, sp in requests], use_tqdm=False)
+            for (i, _, _), output in zip(requests, outputs):
+                answers[i] = {key: output[key] for key in ("text", "token_ids", "finish_reason")}
+        columns = {"id": [row.get("id") for row in rows]}
+        for key in ("text", "token_ids", "finish_reason", "error"):
+            columns[key] = [answer.get(key) for answer in answers]
+        columns["replica"] = [self.name] * len(rows)
+        return columns
+
+
+def generate(dataset, model: str, *, replicas: int = 1, sampling_params: SamplingParams | dict | None = None,
+             batch_size: int = 256, **llm_kwargs):
+    """Ray Data: `dataset` (rows as above) -> a dataset of answer rows, with a "replica" column naming
+    the actor that answered. `replicas` actors each own an LLM(model, **llm_kwargs) and ask Ray for
+    tensor_parallel_size GPUs (CPUs on a CPU machine). A replica that dies costs time, not rows: Ray
+    restarts it and retries its batches."""
+    import torch
+
+    config = {f.name for f in dataclasses.fields(Config) if f.init}
+    unknown = sorted(set(llm_kwargs) - config)
+    if unknown:
+        raise TypeError(f"unknown LLM argument(s) {unknown}")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = dataclasses.asdict(sampling_params)
+    SamplingParams(**(sampling_params or {}))              # refuse bad defaults here, not in every replica
+    tp = llm_kwargs.get("tensor_parallel_size", 1)
+    on_gpu = llm_kwargs.get("device", "auto") == "cuda" or (llm_kwargs.get("device", "auto") == "auto"
+                                                            and torch.cuda.is_available())
+    resources = dict(num_gpus=tp) if on_gpu else dict(num_cpus=tp)
+    import ray.data
+    return dataset.map_batches(
+        Replica, fn_constructor_args=(str(model), sampling_params or {}, llm_kwargs), batch_format="pyarrow",
+        batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
+        max_restarts=-1, max_task_retries=-1, **resources)
+
+
+# ---- the command line --------------------------------------------------------------------------------
+def _read(path: Path):
+    import ray.data
+    if path.is_dir():
+        if any(path.glob("*.parquet")):
+            return ray.data.read_parquet(str(path))
+        return ray.data.read_json(str(path), lines=True, file_extensions=["jsonl", "json"])
+    return ray.data.read_json(str(path), lines=True)
+
+
+def _value(text: str):
+    """A command-line value: JSON where it parses (numbers, lists, true/null), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip: tuple = ()) -> list[str]:
+    group = parser.add_argument_group(title)
+    names = []
+    for field in dataclasses.fields(cls):
+        if not field.init or field.name in skip:
+            continue
+        group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=_value,
+                           metavar="VALUE", help=f"(default {field.default!r})")
+        names.append(field.name)
+    return names
+
+
+class _Writer:
+    """OUT.jsonl: one JSON object a line ({"id", "error"} for an error row); else a directory that gets
+    one Parquet file, written in row groups as the rows come."""
+
+    def __init__(self, path: Path, rows_per_group: int = 1000):
+        self.path, self.rows_per_group, self.pending, self.parquet = path, rows_per_group, [], None
+        if path.suffix == ".jsonl":
+            self.jsonl = open(path, "w")
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            self.jsonl = None
+
+    def write(self, row: dict) -> None:
+        if self.jsonl is not None:
+            keys = ("id", "error") if row["error"] is not None else ("id", "text", "token_ids", "finish_reason")
+            self.jsonl.write(json.dumps({k: row[k] for k in keys}) + "\n")
+            return
+        self.pending.append(row)
+        if len(self.pending) >= self.rows_per_group:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        if not self.pending:
+            return
+        if self.parquet is None:     # the answer columns' types fixed, whatever the first rows hold
+            ids = pa.array([row["id"] for row in self.pending])
+            schema = pa.schema([("id", ids.type), ("text", pa.string()), ("token_ids", pa.list_(pa.int64())),
+                                ("finish_reason", pa.string()), ("error", pa.string())])
+        table = pa.Table.from_pylist(self.pending, schema=self.parquet.schema if self.parquet else schema)
+        if self.parquet is None:
+            self.parquet = pq.ParquetWriter(self.path / "part-0.parquet", table.schema)
+        self.parquet.write_table(table)
+        self.pending = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.jsonl is not None:
+            self.jsonl.close()
+        else:
+            self._flush()
+            if self.parquet is not None:
+                self.parquet.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.batch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--input", type=Path, required=True, help="a JSONL file, or a directory of JSONL or Parquet")
+    parser.add_argument("--output", type=Path, required=True, help="a .jsonl file, or a directory for Parquet")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--ray-address", help="a running cluster (default: RAY_ADDRESS, else a local Ray)")
+    parser.add_argument("--batch-size", type=int, default=256, help="rows per call to a replica")
+    sampling = _add_dataclass_options(parser, SamplingParams, "sampling (any SamplingParams field; values as JSON where they parse)")
+    engine = _add_dataclass_options(parser, Config, "engine (any LLM argument)", skip=("model",))
+    args = parser.parse_args(argv)
+    if args.replicas < 1 or args.batch_size < 1:
+        parser.error("--replicas and --batch-size must be >= 1")
+    sampling_params = {k: getattr(args, k) for k in sampling if getattr(args, k) is not None}
+    llm_kwargs = {k: getattr(args, k) for k in engine if getattr(args, k) is not None}
+    try:
+        SamplingParams(**sampling_params)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+    import ray
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:   # a Ray of its own for this run, counting at least one CPU more than the replicas take (for reads)
+        ray.init(address="local", log_to_driver=False,
+                 num_cpus=max(os.cpu_count() or 1, args.replicas * llm_kwargs.get("tensor_parallel_size", 1) + 1))
+    answers = generate(_read(args.input), args.model, replicas=args.replicas, sampling_params=sampling_params,
+                       batch_size=args.batch_size, **llm_kwargs)
+    start, rows, tokens, per_replica = time.perf_counter(), 0, 0, Counter()
+    with _Writer(args.output) as out:
+        for row in answers.iter_rows():      # rows stream through; the dataset never sits in one process
+            per_replica[row.pop("replica")] += 1
+            out.write(row)
+            rows += 1
+            tokens += len(row["token_ids"] or [])
+            if rows % 100 == 0:
+                elapsed = time.perf_counter() - start
+                print(f"{rows} rows, {rows / elapsed:.1f} rows/s, {tokens / elapsed:.0f} tok/s", flush=True)
+    elapsed = time.perf_counter() - start
+    summary = dict(rows=rows, seconds=elapsed, rows_per_s=rows / elapsed, tokens_per_s=tokens / elapsed,
+                   per_replica_rows=dict(per_replica))
+    print(f"done: {rows} rows in {elapsed:.1f} s ({rows / elapsed:.1f} rows/s, {tokens / elapsed:.0f} tok/s)")
+    for replica, count in sorted(per_replica.items()):
+        print(f"  replica {replica}: {count} rows, {count / elapsed:.1f} rows/s")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
