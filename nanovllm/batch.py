@@ -83,8 +83,10 @@ def generate(dataset, model: str, *, replicas: int = 1, sampling_params: Samplin
     """Ray Data: `dataset` (rows as above) -> a dataset of answer rows, with a "replica" column naming
     the actor that answered. `replicas` actors each own an LLM(model, **llm_kwargs) and ask Ray for
     tensor_parallel_size GPUs (CPUs on a CPU machine). A replica that dies costs time, not rows: Ray
-    restarts it and retries its batches."""
-    import torch
+    restarts it and retries its batches. device="auto" means GPUs where the cluster has any (the driver's
+    own machine may have none)."""
+    import ray
+    import ray.data
 
     config = {f.name for f in dataclasses.fields(Config) if f.init}
     unknown = sorted(set(llm_kwargs) - config)
@@ -96,10 +98,12 @@ def generate(dataset, model: str, *, replicas: int = 1, sampling_params: Samplin
         sampling_params = dataclasses.asdict(sampling_params)
     SamplingParams(**(sampling_params or {}))              # refuse bad defaults here, not in every replica
     tp = llm_kwargs.get("tensor_parallel_size", 1)
-    on_gpu = llm_kwargs.get("device", "auto") == "cuda" or (llm_kwargs.get("device", "auto") == "auto"
-                                                            and torch.cuda.is_available())
-    resources = dict(num_gpus=tp) if on_gpu else dict(num_cpus=tp)
-    import ray.data
+    device = llm_kwargs.get("device", "auto")
+    if device == "auto":
+        if not ray.is_initialized():
+            ray.init()
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    resources = dict(num_gpus=tp) if device == "cuda" else dict(num_cpus=tp)
     return dataset.map_batches(
         Replica, fn_constructor_args=(str(model), sampling_params or {}, llm_kwargs), batch_format="pyarrow",
         batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
