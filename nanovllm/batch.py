@@ -88,10 +88,7 @@ def generate(dataset, model: str, *, replicas: int = 1, sampling_params: Samplin
     import ray
     import ray.data
 
-    config = {f.name for f in dataclasses.fields(Config) if f.init}
-    unknown = sorted(set(llm_kwargs) - config)
-    if unknown:
-        raise TypeError(f"unknown LLM argument(s) {unknown}")
+    Config.check_arguments(llm_kwargs)        # here, not in every replica
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     if isinstance(sampling_params, SamplingParams):

@@ -1,5 +1,5 @@
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -53,6 +53,14 @@ class Config:
     enable_prefix_caching: bool = True
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
+
+    @classmethod
+    def check_arguments(cls, kwargs: dict) -> None:
+        """Refuse LLM(...) keyword arguments that are not settings, naming those that are."""
+        names = {f.name for f in fields(cls) if f.init} - {"model"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names)}")
 
     def __post_init__(self):
         path = _check_model_dir(self.model)

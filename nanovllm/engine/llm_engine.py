@@ -1,5 +1,4 @@
 import atexit
-from dataclasses import fields
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -19,10 +18,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         refuse_in_spawn_bootstrap()     # a TP worker re-importing an unguarded script: say so, do not start
-        names = {f.name for f in fields(Config) if f.init}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names - {'model'})}")
+        Config.check_arguments(kwargs)
         self._exited = True
         self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
