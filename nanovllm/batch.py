@@ -54,6 +54,8 @@ class Replica:
             prompt = self.llm.chat_prompt([_defined(message) for message in prompt])
         elif key == "prompt_token_ids":
             prompt = list(prompt)
+        elif isinstance(prompt, str) and prompt:    # tokenized once: checked and generated as token ids
+            prompt = self.llm.tokenizer.encode(prompt)
         params = SamplingParams(**{**self.sampling_params, **_defined(row.get("sampling_params"))})
         self.llm.check_request(prompt, params)
         return prompt, params
