@@ -68,19 +68,6 @@ def test_two_engines_at_once_and_nothing_left_behind(model_dir):
     assert len(live_children()) == before_children
 
 
-def test_a_dead_worker_makes_the_engine_raise_instead_of_hang(model_dir):
-    before_shm = shm_segments()
-    llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
-    worker = llm.workers.processes[0]
-    os.kill(worker.pid, 9)
-    worker.join(10)
-    with pytest.raises(RuntimeError, match="rank 1 died"):
-        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    assert llm.scheduler.is_finished() and not llm.scheduler.block_manager.used_block_ids
-    llm.exit()
-    assert shm_segments() == before_shm and not worker.is_alive()
-
-
 def test_oversized_messages_are_refused_not_truncated(model_dir):
     with LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128) as llm:
         with pytest.raises(RuntimeError, match="outgrows"):

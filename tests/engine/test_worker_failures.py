@@ -137,6 +137,7 @@ def test_worker_killed_while_generating(model_dir, device, expected, when):
         llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False)
     elapsed = time.monotonic() - killed["at"]
     assert elapsed < RAISE_WITHIN
+    assert llm.scheduler.is_finished() and not llm.scheduler.block_manager.used_block_ids   # requests dropped
     with pytest.raises(RuntimeError, match="rank 1 died"):      # for good, not just once
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     t = time.monotonic()
