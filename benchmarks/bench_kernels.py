@@ -27,7 +27,6 @@ from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.sampling import sample as triton_sample
-from nanovllm.layers.sampler import sample as torch_sample
 from bench import measure_bandwidth    # the copy bandwidth bench.py's floor uses
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 256, torch.bfloat16
@@ -157,6 +156,12 @@ def bench_prefill(sweep):
     print(f"  max |paged - packed| = {(paged().float() - ours().float()).abs().max().item():.3e}")
     t_paged = ms(paged)
     return tflops(t_ours), tflops(t_paged), tflops(t_torch), torch_desc, t_ours, t_torch
+
+
+def torch_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The same Gumbel-max draw in torch ops, one batch at a time."""
+    u = torch.rand(logits.shape, device=logits.device).clamp_min(1e-20)
+    return (logits.float() / temperatures.unsqueeze(1) - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
 def bench_sampling() -> list[tuple[str, float]]:

@@ -3,6 +3,7 @@
 each step the GPU is busy, the kernels that dominate, and the all-reduce (NCCL) time per step.
 
     PYTHONPATH=. python benchmarks/profile_engine.py [--model DIR | --shape qwen3-8b] [--tensor-parallel-size N]
+        [--workload standard|long-context|prefill-heavy|shared-prefix|single-stream] [--window decode|prefill]
 """
 import argparse
 import sys
@@ -13,12 +14,12 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import MAX_MODEL_LEN, RANDOM_SHAPES, default_model, make_workload  # noqa: E402
+from bench import MAX_MODEL_LEN, RANDOM_SHAPES, WORKLOAD_MAX_MODEL_LEN, WORKLOADS, default_model, draw_workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.model_runner import SampledTokens  # noqa: E402
 
 
-def kernel_summary(prof, num_steps: int, wall_s: float) -> None:
+def kernel_summary(prof, kind: str, num_steps: int, wall_s: float) -> None:
     """GPU-busy time per step (sum of kernel and memcpy times; they do not overlap on one stream). Only
     device-side events count: a CPU op's device time is its kernels' again."""
     events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
@@ -29,7 +30,7 @@ def kernel_summary(prof, num_steps: int, wall_s: float) -> None:
     allreduce_us = sum(e.self_device_time_total for e in nccl if "AllReduce" in e.key)
     other_us = sum(e.self_device_time_total for e in nccl if "AllReduce" not in e.key)
     launches = sum(e.count for e in events)
-    print(f"profiled window: {num_steps} decode steps, wall {wall_s / num_steps * 1e3:.2f} ms/step, "
+    print(f"profiled window: {num_steps} {kind} steps, wall {wall_s / num_steps * 1e3:.2f} ms/step, "
           f"GPU busy {busy_us / num_steps / 1e3:.2f} ms/step ({busy_us / 1e6 / wall_s:.0%}), "
           f"{launches / num_steps:.0f} kernels/step, all-reduce {allreduce_us / num_steps / 1e3:.3f} ms/step, "
           f"other collectives (logits gather) {other_us / num_steps / 1e3:.3f} ms/step")
@@ -41,19 +42,24 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--shape", choices=RANDOM_SHAPES, default="qwen3-0.6b")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the profiler")
+    parser.add_argument("--num-seqs", type=int, default=256, help="the standard workload's request count")
+    parser.add_argument("--workload", choices=WORKLOADS, default="standard", help="bench.py's draw of that name")
+    parser.add_argument("--window", choices=("decode", "prefill"), default="decode",
+                        help="the kind of steps profiled: after 100 decode steps, or after the first 2 prefill steps")
+    parser.add_argument("--profile-steps", type=int, default=20, help="steps of that kind under the profiler")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--window-only", action="store_true", help="stop after the profiled window (the per-run "
                         "totals then cover only the steps so far)")
     args = parser.parse_args()
     model = args.model or default_model("cuda", args.shape)
-    workload = make_workload(args.num_seqs, 1024, 1024)
-    llm = LLM(str(model), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=args.tensor_parallel_size,
+    workload = draw_workload(args.workload, "cuda", num_seqs=args.num_seqs, max_input_len=1024, max_output_len=1024)
+    max_model_len = MAX_MODEL_LEN if args.workload == "standard" else WORKLOAD_MAX_MODEL_LEN
+    llm = LLM(str(model), max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               enforce_eager=args.enforce_eager)
+    temperature = 0.6 if workload.temperature is None else workload.temperature
     llm.generate(["warmup"], SamplingParams(max_tokens=4), use_tqdm=False)
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):
-        llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens))
+        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens))
     runner = llm.model_runner
     prepare_s = {"prefill": 0.0, "decode": 0.0}
     real_prefill, real_decode = runner.prepare_prefill, runner.prepare_decode
@@ -83,20 +89,22 @@ def main() -> None:
     SampledTokens.tolist = tolist
     steps = {"prefill": [], "decode": []}
     prof, window_s, window_steps = None, 0.0, 0
+    steps_before_window = 100 if args.window == "decode" else 2    # steady state, past the first compiles
 
-    def step() -> None:
+    def step() -> str:
         t = perf_counter()
         _, num_tokens = llm.step()
         kind_of_step[0] = "prefill" if num_tokens > 0 else "decode"    # waits in the next step are for this one
         steps[kind_of_step[0]].append((perf_counter() - t, abs(num_tokens)))
+        return kind_of_step[0]
 
     while not llm.is_finished():
-        if prof is None and len(steps["decode"]) == 100:          # a window of steady-state decode
+        if prof is None and len(steps[args.window]) >= steps_before_window:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t = perf_counter()
                 while window_steps < args.profile_steps and not llm.is_finished():
-                    step()
-                    window_steps += 1
+                    if step() == args.window:    # steps of the other kind in between are profiled too
+                        window_steps += 1
                 window_s = perf_counter() - t
             if args.window_only:
                 break
@@ -113,7 +121,7 @@ def main() -> None:
             slowest = sorted(rows, reverse=True)[:3]
             print(f"  slowest steps: {', '.join(f'{s * 1e3:.1f}ms/{n}' for s, n in slowest)}")
     if prof is not None and window_steps:
-        kernel_summary(prof, window_steps, window_s)
+        kernel_summary(prof, args.window, window_steps, window_s)
 
 
 if __name__ == "__main__":
