@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_tile import load_kv_tile
+from .kv_tile import load_kv_tile, tile_page
 
 _LOG2E = 1.4426950408889634
 
@@ -27,7 +27,8 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, 
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, 0, n_start, end, offs_d,
+    page = tile_page(bt_row_ptr, n_start, end, True, PAGE, BLOCK_N)
+    k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, 0, n_start, end, offs_d,
                         stride_kb, stride_kt, stride_vb, stride_vt, True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [GROUP_PAD, BLOCK_N]

@@ -4,16 +4,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, n_limit,
+def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page holding the key tile that starts at n_start, where one page holds whole tiles (BLOCK_N
+    and PAGE are powers of two, n_start a multiple of BLOCK_N); 0 otherwise, or at or past `limit`.
+    Loops load it a tile ahead, so that its latency hides behind a tile of math."""
+    if PAGED and BLOCK_N <= PAGE:
+        return tl.load(bt_row_ptr + n_start // PAGE, mask=n_start < limit, other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, n_limit,
                     stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor."""
     if PAGED:
-        if BLOCK_N <= PAGE:
-            # BLOCK_N and PAGE are powers of two and n_start is a multiple of BLOCK_N:
-            # the whole tile lies inside one page
-            page = tl.load(bt_row_ptr + n_start // PAGE).to(tl.int64)
-            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
+        if BLOCK_N <= PAGE:               # the whole tile lies inside `page` (tile_page)
+            rows = page.to(tl.int64) * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
         else:
             if MASKED:
                 page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < n_limit, other=0).to(tl.int64)
@@ -26,16 +34,16 @@ def _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, n_limit,
 
 
 @triton.jit
-def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, k_start, n_start, limit, offs_d,
+def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, limit, offs_d,
                  stride_kb, stride_kt, stride_vb, stride_vt,
                  PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
     """[BLOCK_N, D_PAD] tiles of K and V for key positions n_start.. of one sequence; with MASKED,
-    rows at or past `limit` (and padded head dims) read as zero."""
+    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    k_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, limit, stride_kb, stride_kt,
+    k_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_kb, stride_kt,
                              PAGED, PAGE, BLOCK_N, MASKED)
-    v_rows = _kv_row_offsets(bt_row_ptr, k_start, offs_n, n_start, limit, stride_vb, stride_vt,
+    v_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_vb, stride_vt,
                              PAGED, PAGE, BLOCK_N, MASKED)
     k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
     v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]

@@ -1,9 +1,11 @@
 """Triton `flash_attn_varlen_func`: flash attention over a varlen batch (packed or paged K/V).
 
-The grid is (query tiles of the longest sequence, q heads, sequences): no constant depends on the
-batch, so one compiled kernel serves every batch. Each program loads one
-[BLOCK_M, D] tile of queries and runs an online softmax over the keys in [BLOCK_N, D] tiles with
-fp32 statistics and accumulator. Tiles that no mask touches run in a loop without masks; the
+The grid is (query tiles of the longest sequence, kv heads, sequences): no constant depends on the
+batch, so one compiled kernel serves every batch. Each program loads one [BLOCK_M, D] tile of query
+rows and runs an online softmax over the keys in [BLOCK_N, D] tiles with fp32 statistics and
+accumulator. With grouped-query attention a tile's rows are BLOCK_M // GROUP queries times the GROUP q
+heads that share one kv head (row r: query r // GROUP, head r % GROUP), so each K/V tile is loaded once
+for the whole group (H100, 16 x 1024 and 1 x 12,000 tokens: 3-7% faster than a program per q head). Tiles that no mask touches run in a loop without masks; the
 tiles on the causal diagonal (bottom-right aligned) and the ragged last tile run in a second,
 masked loop. With a block table, each key tile's rows are found through the sequence's row of it.
 """
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_tile import load_kv_tile
+from .kv_tile import load_kv_tile, tile_page
 
 _LOG2E = 1.4426950408889634
 
@@ -26,21 +28,24 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
                 PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 DOT_PREC: tl.constexpr):
     """Online-softmax update over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
+    next_page = tile_page(bt_row_ptr, lo, hi, PAGED, PAGE, BLOCK_N)
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, k_start, n_start, seq_k, offs_d,
+        page = next_page           # loaded a tile ahead (H100: 4-8% faster than loading it here)
+        next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, hi, PAGED, PAGE, BLOCK_N)
+        k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, seq_k, offs_d,
                             stride_kb, stride_kt, stride_vb, stride_vt,
                             PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale      # log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)      # unscaled: the scale rides in the exp's FMA
         if MASKED:
             ok = offs_n[None, :] < seq_k
             if CAUSAL:
                 ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)           # log2 domain
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
@@ -58,25 +63,27 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq = tl.program_id(2)
+    QUERIES: tl.constexpr = BLOCK_M // GROUP           # queries per tile; rows past QUERIES * GROUP idle
 
     q_start = tl.load(cu_q_ptr + seq)
     seq_q = tl.load(cu_q_ptr + seq + 1) - q_start
-    seq_tiles = (seq_q + BLOCK_M - 1) // BLOCK_M
+    seq_tiles = (seq_q + QUERIES - 1) // QUERIES
     if tile >= seq_tiles:
         return                                         # this sequence is shorter than the longest
     m_block = seq_tiles - 1 - tile                     # heaviest (last, for causal) tiles first
     k_start = tl.load(cu_k_ptr + seq)
     seq_k = tl.load(cu_k_ptr + seq + 1) - k_start
     diag = seq_k - seq_q                               # query j sees keys <= j + diag
-    kv_head = head // GROUP
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m_block * QUERIES + rows // GROUP         # each row's query position
+    heads = kv_head * GROUP + rows % GROUP             # and its q head
     offs_d = tl.arange(0, D_PAD)
-    m_ok = offs_m < seq_q
+    m_ok = (offs_m < seq_q) & (rows < QUERIES * GROUP)
     q_rows = (q_start + offs_m).to(tl.int64)
-    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     if D_PAD == HEAD_DIM:
         q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
     else:
@@ -92,8 +99,8 @@ def _prefill_kernel(
 
     # key range: [0, full_end) needs no mask; [full_end, hi) is masked
     if CAUSAL:
-        m_first = m_block * BLOCK_M
-        hi = tl.minimum(seq_k, m_first + BLOCK_M + diag)
+        m_first = m_block * QUERIES
+        hi = tl.minimum(seq_k, m_first + QUERIES + diag)
         hi = tl.maximum(hi, 0)
         full_end = tl.maximum(m_first + diag + 1, 0)
         full_end = tl.minimum(full_end, hi)
@@ -113,7 +120,7 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)            # a row that sees no key gives zeros
     out = acc / l_safe[:, None]
-    o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    o_ptrs = o_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if D_PAD == HEAD_DIM:
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
     else:
@@ -122,12 +129,13 @@ def _prefill_kernel(
 
 def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
     if device.type != "cuda":          # Triton's interpreter: small tiles keep the tests quick
-        return dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+        return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:         # no tensor-core path worth tuning; keep registers and smem small
         return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    # H100, Qwen3-0.6B shape: 128/128 beats 128/64 by 3% (8 x 2,000 tokens) to 8% (1 x 12,000)
+    return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
@@ -166,14 +174,16 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
 
     if max_seqlen_q is None:                          # flash-attn callers pass it; others pay a sync
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    # one program per (query tile, head, sequence); tiles past a shorter sequence's end exit at once
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
+    group = num_heads // num_kv_heads
+    assert block_m >= group, f"block_m={block_m} holds no query of a group of {group} q heads"
+    # one program per (query tile, kv head, sequence); tiles past a shorter sequence's end exit at once
+    grid = (triton.cdiv(max_seqlen_q, block_m // group), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_btb, scale * _LOG2E,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), PAGED=paged, PAGE=page,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
