@@ -76,8 +76,6 @@ class ModelRunner:
         self.sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         self.sampled_rows: dict[int, int] = {}
         self.ops = attention_ops(config.attention_backend)
-        if not self.enforce_eager:
-            self._use_compiled_layers()
         for layer in self._attention_layers():
             layer.ops = self.ops
         if self.device.type == "cuda":
@@ -112,11 +110,6 @@ class ModelRunner:
             self.tp = None
 
     # ---- setup --------------------------------------------------------------------------------------
-    def _use_compiled_layers(self) -> None:
-        for module in self.model.modules():
-            if hasattr(module, "compiled"):
-                module.compiled = True
-
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
