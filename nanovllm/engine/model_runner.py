@@ -225,32 +225,30 @@ class ModelRunner:
         """Each seq computes its last token, whose slot is the next free one of its last block. A last
         token still PENDING (sampled by the step before, not yet on the host) is read on the device.
 
-        A 256-sequence batch runs this every few milliseconds, so the per-sequence Python is one
-        attribute read per column, the arithmetic is numpy's, and everything travels in one copy."""
-        n = len(seqs)
-        block_tables = self.padded_block_tables(seqs)
-        width = len(block_tables[0])
-        flat = np.empty(5 * n + n * width, dtype=np.int32)
-        columns = flat[:5 * n].reshape(5, n)     # token, position, context length, slot, row in self.sampled
-        columns[0] = [seq.last_token for seq in seqs]
-        columns[2] = [seq.num_tokens for seq in seqs]
-        np.subtract(columns[2], 1, out=columns[1])
-        columns[3] = [seq.block_table[-1] for seq in seqs]
-        columns[3] = columns[3] * self.block_size + columns[1] % self.block_size
-        pending = columns[0] == PENDING
-        any_pending = bool(pending.any())
-        if any_pending:
-            rows = self.sampled_rows
-            columns[4] = [rows[seq.seq_id] if p else -1 for seq, p in zip(seqs, pending.tolist())]
-        flat[5 * n:].reshape(n, width)[:] = block_tables
+        Runs every step (every millisecond for a lone sequence), so the columns are built as Python
+        lists, read into numpy in one pass, and travel in one copy."""
+        n, block_size = len(seqs), self.block_size
+        width = max(len(seq.block_table) for seq in seqs)
+        tokens = [seq.last_token for seq in seqs]
+        context_lens = [seq.num_tokens for seq in seqs]
+        positions = [length - 1 for length in context_lens]
+        slots = [seq.block_table[-1] * block_size + position % block_size for seq, position in zip(seqs, positions)]
+        rows = self.sampled_rows           # a PENDING token's row in self.sampled; -1: on the host already
+        sampled_rows = [rows[seq.seq_id] if token == PENDING else -1 for seq, token in zip(seqs, tokens)]
+        block_tables = itertools.chain.from_iterable(seq.block_table + [-1] * (width - len(seq.block_table))
+                                                     for seq in seqs)
+        flat = np.fromiter(itertools.chain(tokens, positions, context_lens, slots, sampled_rows, block_tables),
+                           dtype=np.int32, count=5 * n + n * width)
         flat = self._to_device(flat)
         columns = flat[:5 * n].view(5, n)
         set_context(False, slot_mapping=columns[3], context_lens=columns[2],
                     block_tables=flat[5 * n:].view(n, width))
-        input_ids = columns[0]
-        if any_pending:
-            rows = columns[4]
-            input_ids = torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], input_ids)
+        if len(self.sampled) == n and sampled_rows == list(range(n)):
+            input_ids = self.sampled        # the last step's batch again, every token pending: as sampled
+        elif max(sampled_rows) >= 0:
+            input_ids = torch.where(columns[4] >= 0, self.sampled[columns[4].clamp(min=0)], columns[0])
+        else:
+            input_ids = columns[0]
         return input_ids, columns[1]
 
     # ---- running ----------------------------------------------------------------------------------------

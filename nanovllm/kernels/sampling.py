@@ -41,7 +41,8 @@ def _load_kept(row_ptr, offs, vocab_size, threshold, inv_t):
 @triton.jit
 def _chunk_argmax_kernel(logits_ptr, temperatures_ptr, thresholds_ptr, keys_ptr, skip_ptr, best_val_ptr,
                          best_idx_ptr, vocab_size, stride_row, num_chunks,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr,
+                         HAS_THRESHOLDS: tl.constexpr):
     """Each step takes BLOCK logits as four quarter tiles, so that one Philox call (four numbers)
     serves four logits: the random numbers, not the memory reads, bound this kernel."""
     QUARTER: tl.constexpr = BLOCK // 4
@@ -53,7 +54,7 @@ def _chunk_argmax_kernel(logits_ptr, temperatures_ptr, thresholds_ptr, keys_ptr,
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    threshold = tl.load(thresholds_ptr + row)
+    threshold = tl.load(thresholds_ptr + row) if HAS_THRESHOLDS else float("-inf")
     key = tl.load(keys_ptr + row)
 
     best_val = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
@@ -83,6 +84,19 @@ def _chunk_argmax_kernel(logits_ptr, temperatures_ptr, thresholds_ptr, keys_ptr,
     tl.store(best_idx_ptr + out, idx)
 
 
+@triton.jit
+def _pick_kernel(best_val_ptr, best_idx_ptr, tokens_ptr, num_chunks, CHUNKS_PAD: tl.constexpr):
+    """A row's token: the best of its chunks' winners (the lowest chunk on a tie, as argmax would)."""
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    ok = chunks < num_chunks
+    values = tl.load(best_val_ptr + row * num_chunks + chunks, mask=ok, other=float("-inf"))
+    top = tl.max(values, 0)
+    winner = tl.min(tl.where(ok & (values == top), chunks, CHUNKS_PAD), 0)
+    token = tl.load(best_idx_ptr + row * num_chunks + winner)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+
+
 def _grid_sizes(vocab_size: int, chunk: int, block: int) -> tuple[int, int, int]:
     chunk = max(64, min(chunk, triton.next_power_of_2(vocab_size)))
     block = min(block, chunk)
@@ -102,18 +116,20 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, thresholds: torch.T
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     chunk, block, num_chunks = _grid_sizes(vocab_size, chunk, block)
     device = logits.device
-    if thresholds is None:
-        thresholds = torch.full((rows,), float("-inf"), device=device)
     if keys is None:
         keys = torch.randint(0, 2 ** 62, (rows,), dtype=torch.int64, device=device)
+    # few launches and tensors: a lone sequence's decode step is bound by the host's work
     best_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
     best_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
     _chunk_argmax_kernel[(rows, num_chunks)](
-        logits, temperatures.to(torch.float32), thresholds.to(torch.float32), keys, skip, best_val, best_idx,
-        vocab_size, logits.stride(0), num_chunks, CHUNK=chunk, BLOCK=block, HAS_SKIP=skip is not None, num_warps=4,
+        logits, temperatures.to(torch.float32), None if thresholds is None else thresholds.to(torch.float32),
+        keys, skip, best_val, best_idx, vocab_size, logits.stride(0), num_chunks, CHUNK=chunk, BLOCK=block,
+        HAS_SKIP=skip is not None, HAS_THRESHOLDS=thresholds is not None, num_warps=4,
     )
-    winner = best_val.argmax(dim=1, keepdim=True)
-    return best_idx.gather(1, winner).squeeze(1).to(torch.int64)
+    _pick_kernel[(rows,)](best_val, best_idx, tokens, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
+                          num_warps=1)
+    return tokens
 
 
 # ---- candidates: each row's largest logits and its softmax normalizers, in two light passes --------
