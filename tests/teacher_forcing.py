@@ -29,7 +29,7 @@ def forced_logprobs(llm, prompts, continuations, use_graphs=True, num_forced=NUM
     runner.enforce_eager = not use_graphs
     steps = []
     try:
-        logits = runner.run_model(*runner.prepare_prefill(seqs), True)
+        logits = runner.run_model(*runner.prepare_prefill(seqs), True, len(seqs))
         reset_context()
         steps.append(logits.float().log_softmax(-1))
         for i in range(num_forced):
@@ -37,7 +37,7 @@ def forced_logprobs(llm, prompts, continuations, use_graphs=True, num_forced=NUM
                 seq.num_cached_tokens = len(seq)
                 seq.append_token(cont[i])
                 bm.may_append(seq)
-            logits = runner.run_model(*runner.prepare_decode(seqs), False)
+            logits = runner.run_model(*runner.prepare_decode(seqs), False, len(seqs))
             reset_context()
             steps.append(logits.float().log_softmax(-1))
     finally:

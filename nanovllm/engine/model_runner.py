@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes, prefill_graph_lengths  # noqa: F401
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
@@ -19,12 +20,6 @@ from nanovllm.utils.parallel import TensorParallelGroup, building_with
 from nanovllm.utils.transfer import to_device
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
-
-
-def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512)."""
-    largest = min(max_num_seqs, 512)
-    return [bs for bs in (1, 2, 4, 8) if bs <= largest] + list(range(16, largest + 1, 16))
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -52,6 +47,7 @@ class ModelRunner:
             gc.collect()                # a dropped engine caught in a reference cycle (a failed start's traceback)
             torch.cuda.empty_cache()    # else the weights land in a freed engine's cached KV segment and pin it
         self.tp = group or TensorParallelGroup()
+        self.graphs: CudaGraphs | None = None   # captured last, unless eager
         try:
             self._build()
         except BaseException:
@@ -95,7 +91,8 @@ class ModelRunner:
         if hasattr(self, "model"):
             for layer in self._attention_layers():
                 layer.k_cache = layer.v_cache = torch.tensor([])
-        for name in ("graphs", "graph_pool", "graph_vars", "kv_cache", "sampled", "model", "penalty_state"):
+        self.graphs = None
+        for name in ("kv_cache", "sampled", "model", "penalty_state"):
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -135,11 +132,7 @@ class ModelRunner:
         seq.num_cached_tokens, seq.num_scheduled_tokens = self.block_size - 1, 1
         self.run([seq], True)
         seq.num_cached_tokens = self.block_size
-        enforce_eager, self.enforce_eager = self.enforce_eager, True
-        try:
-            self.run([seq], False)
-        finally:
-            self.enforce_eager = enforce_eager
+        self.run([seq], False)                  # before any graph is captured: eager
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[K/V, layers, blocks, block_size, this rank's kv heads, head_dim]."""
@@ -253,22 +246,15 @@ class ModelRunner:
 
     # ---- running ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        bs = input_ids.size(0)
-        if is_prefill or self.enforce_eager or bs > self.graph_bs[-1]:
-            return self.model.compute_logits(self.model(input_ids, positions))
-        graph_bs = next(b for b in self.graph_bs if b >= bs)
-        context, v = get_context(), self.graph_vars
-        v["input_ids"][:bs] = input_ids
-        v["positions"][:bs] = positions
-        v["slot_mapping"].fill_(-1)
-        v["slot_mapping"][:bs] = context.slot_mapping
-        v["context_lens"].fill_(1)                   # padding rows read one slot of block 0: harmless
-        v["context_lens"][:bs] = context.context_lens
-        v["block_tables"].zero_()
-        v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        self.graphs[graph_bs].replay()
-        return self.model.compute_logits(v["outputs"][:bs])
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool,
+                  num_seqs: int) -> torch.Tensor:
+        hidden = None
+        if self.graphs is not None and not self.enforce_eager:     # tests set enforce_eager to compare
+            hidden = (self.graphs.prefill(input_ids, positions, num_seqs) if is_prefill
+                      else self.graphs.decode(input_ids, positions))
+        if hidden is None:
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = (),
@@ -289,7 +275,7 @@ class ModelRunner:
             self.penalty_state.release(finished_seq_ids)
             tensors, penalty_rows = build_sampling_tensors(seqs, logits_rows, self.config.hf_config.vocab_size,
                                                            self.config.eos_token_ids, self.penalty_state, self.device)
-        logits = self.run_model(input_ids, positions, is_prefill)
+        logits = self.run_model(input_ids, positions, is_prefill, len(computed))
         if block_copies:
             self.copy_blocks(block_copies)
         if self.rank == 0:
@@ -309,35 +295,9 @@ class ModelRunner:
         source, destination = (self._tensor(list(column), torch.int64) for column in zip(*block_copies))
         self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
 
-    @torch.inference_mode()
     def capture_cudagraph(self) -> None:
-        hf = self.config.hf_config
-        self.graph_bs = cuda_graph_batch_sizes(self.config.max_num_seqs)
-        max_bs = self.graph_bs[-1]
-        max_num_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        dev = self.device
-        v = self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-            context_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(max_bs, max_num_blocks, dtype=torch.int32, device=dev),
-            outputs=torch.zeros(max_bs, hf.hidden_size, dtype=self.config.dtype, device=dev),
-        )
-        self.graphs, self.graph_pool = {}, None
-        for bs in reversed(self.graph_bs):    # largest first, so smaller graphs reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
-                        block_tables=v["block_tables"][:bs])
-            v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])    # warm up
-            # thread_local: a worker's death may make the monitor abort NCCL (which frees memory) from its
-            # own thread mid-capture; the default global mode would forbid that and leave NCCL half torn down
-            with torch.cuda.graph(graph, self.graph_pool, capture_error_mode="thread_local"):
-                v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
-            if self.graph_pool is None:
-                self.graph_pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-            reset_context()
-
-
+        hf, config = self.config.hf_config, self.config
+        self.graphs = CudaGraphs(self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size),
+                                 prefill_graph_lengths(config.max_num_batched_tokens, config.max_model_len),
+                                 hf.hidden_size, config.dtype, self.device)
+        self.graphs.capture()

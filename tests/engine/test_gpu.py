@@ -1,10 +1,12 @@
-"""The CUDA path end to end: Triton kernels, torch.compile and CUDA-graph decode, in bf16, against
+"""The CUDA path end to end: Triton kernels and CUDA graphs (decode, a lone prompt's prefill), in bf16, against
 transformers on the same GPU with a random-weight checkpoint of Qwen3-0.6B's shape."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import reset_context
 from nanovllm.utils.random_checkpoint import QWEN3_0_6B
 from oracle import hf_greedy, load_hf_model
 from teacher_forcing import NUM_FORCED, TIE_MARGIN, forced_logprobs, random_prompts
@@ -76,6 +78,33 @@ def test_cuda_graph_decode_matches_eager(llm):
     assert torch.equal(graphs.argmax(-1)[decided], eager.argmax(-1)[decided])
     assert top_logprob_diff < 0.25    # the same bounds as against transformers
     assert kl < 1e-2
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("length", [7, 64, 300, 1024])
+def test_cuda_graph_prefill_of_a_lone_prompt_matches_eager(llm, length):
+    """A lone prompt's prefill replays the graph of the smallest bucket that holds it (padding rows store
+    nothing and are attended by no query): its last-token logits are eager's to rounding."""
+    runner, bm = llm.model_runner, llm.scheduler.block_manager
+    seq = Sequence(random_prompts(1, seed=1000 + length, lengths=(length, length))[0], SamplingParams(),
+                   llm.config.kvcache_block_size)
+    bm.allocate(seq)
+    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+    assert seq.num_cached_tokens == 0
+    try:
+        input_ids, positions = runner.prepare_prefill([seq])
+        hidden = runner.graphs.prefill(input_ids, positions, num_seqs=1)
+        assert hidden is not None and hidden.shape[0] == length
+        graph = runner.model.compute_logits(hidden).float().log_softmax(-1)
+        eager = runner.model.compute_logits(runner.model(input_ids, positions)).float().log_softmax(-1)
+    finally:
+        reset_context()
+        bm.deallocate(seq)
+    kl = F.kl_div(graph, eager, log_target=True, reduction="none").sum(-1).item()
+    print(f"{length} tokens: graph vs eager KL {kl:.2e}")
+    assert kl < 1e-3
+    top2 = eager.topk(2, dim=-1).values[0]
+    assert top2[0] - top2[1] < TIE_MARGIN or graph.argmax() == eager.argmax()
 
 
 def test_greedy_continuations_agree_with_transformers(llm, hf):
