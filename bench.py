@@ -166,7 +166,9 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * itemsize
     lengths = [(len(p), o) for p, o in zip(workload.prompts, workload.max_tokens)]
     shared = workload.shared_tokens or [0] * len(lengths)
-    kv_bytes = kv_bytes_per_token * sum(o * p + o * (o - 1) // 2 for p, o in lengths)   # sum_{t<o} (p + t)
+    # sum_{t<o} (p + t) per request, less its shared prefix: a prefix that several requests share is read
+    # once per step (a kernel can: cascade attention), counted with the request that computed it
+    kv_bytes = kv_bytes_per_token * sum(o * (p - c) + o * (o - 1) // 2 for (p, o), c in zip(lengths, shared))
     weight_bytes = num_params * itemsize * max(workload.max_tokens)
     embedding = hf.vocab_size * hf.hidden_size     # a lookup, not a matmul; the head runs for last tokens only
     body = num_params - embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
@@ -300,6 +302,7 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
         raise RuntimeError(f"the engine generated {result['generated']} tokens, the workload asks for {tokens}")
     print(f"Total: {tokens}tok, Time: {elapsed:.2f}s, Throughput: {tokens / elapsed:.2f}tok/s")
     prompt_tokens = sum(map(len, workload.prompts))
+    print(f"Prompt + output: {prompt_tokens + tokens}tok, {rate(prompt_tokens + tokens, elapsed)}")
     if result["prefill_time_s"] is not None:
         prefill_s, decode_s = result["prefill_time_s"], result["decode_time_s"]
         decoded = tokens - n * len(workload.prompts)      # each completion's first token comes from its prefill
@@ -317,6 +320,7 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
           f"fraction of floor = {fraction:.3g}")
     figures = {k: v for k, v in result.items() if k not in ("hf_config", "dtype", "generated")}
     return dict(figures, total_tokens=tokens, prompt_tokens=prompt_tokens, throughput=tokens / elapsed,
+                prompt_and_output_throughput=(prompt_tokens + tokens) / elapsed,
                 dtype=str(result["dtype"]).removeprefix("torch."), **floor, fraction_of_floor=fraction)
 
 

@@ -144,14 +144,20 @@ def test_each_workload_is_drawn_as_its_regime_says(device):
     assert bench.draw_workload("shared-prefix", device, seed=1).prompts != shared.prompts
 
 
-def test_a_shared_prefix_is_not_counted_twice_in_the_prefill_floor():
+def test_a_shared_prefix_is_counted_once_in_the_floor():
+    """Computed once (prefill FLOPs) and read once per decode step (KV bytes)."""
     config = AutoConfig.for_model("qwen3", **QWEN3_0_6B)
     prompt = list(range(100))
-    alone = bench.Workload([prompt], [1])
-    both = bench.Workload([prompt, prompt], [1, 1], shared_tokens=[0, 100])
-    floor = lambda w: bench.hardware_floor(config, 596_049_920, 2, w, bandwidth=3e12, flops=800e12)["prefill_flops"]
+    alone = bench.Workload([prompt], [4])
+    both = bench.Workload([prompt, prompt + [7]], [4, 4], shared_tokens=[0, 100])
+    floor = lambda w: bench.hardware_floor(config, 596_049_920, 2, w, bandwidth=3e12, flops=800e12)
     embedding_head = 2 * config.vocab_size * config.hidden_size          # the second prompt's last-token logits
-    assert floor(both) == floor(alone) + embedding_head
+    suffix_flops = 2 * (596_049_920 - config.vocab_size * config.hidden_size) \
+        + 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * (101 * 102 - 100 * 101)
+    assert floor(both)["prefill_flops"] == floor(alone)["prefill_flops"] + embedding_head + suffix_flops
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    # the second request reads its own token and the ones it generates: 4 steps x 1 + (0 + 1 + 2 + 3)
+    assert floor(both)["kv_read_bytes"] == floor(alone)["kv_read_bytes"] + kv_token * (4 * 1 + 6)
 
 
 def test_every_workload_runs_end_to_end_with_a_json_line_each(capsys, checkpoint):
