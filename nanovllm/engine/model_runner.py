@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
-from nanovllm.engine.cuda_graphs import CudaGraphs, cuda_graph_batch_sizes, prefill_graph_lengths  # noqa: F401
+from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import get_context, reset_context, set_context
+from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup, building_with
 from nanovllm.utils.transfer import to_device

@@ -5,7 +5,6 @@ Semaphores, not multiprocessing Events: Event.set() waits for every sleeper to w
 killed while it slept never does, so rank 0 would hang in set(). A semaphore's release never waits."""
 import pickle
 from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Semaphore
 from typing import Callable
 
 SHM_SIZE = 1 << 24        # 16 MiB for one message

@@ -2,7 +2,6 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.model_runner import cuda_graph_batch_sizes
 from nanovllm.engine.sampling_metadata import build_sampling_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import get_context, reset_context
@@ -22,13 +21,6 @@ def seq(tokens, block_table, num_cached=0, num_scheduled=None):
     s.num_cached_tokens = num_cached
     s.num_scheduled_tokens = len(s) - num_cached if num_scheduled is None else num_scheduled
     return s
-
-
-def test_graph_buckets():
-    assert cuda_graph_batch_sizes(512) == [1, 2, 4, 8] + list(range(16, 513, 16))
-    assert cuda_graph_batch_sizes(1000)[-1] == 512
-    assert cuda_graph_batch_sizes(20) == [1, 2, 4, 8, 16]
-    assert cuda_graph_batch_sizes(3) == [1, 2]
 
 
 def test_prefill_of_fresh_prompts_packs_them(llm):
