@@ -63,7 +63,7 @@ class Replica:
     def __call__(self, batch) -> dict[str, list]:
         rows = batch.to_pylist()
         answers: list[dict] = [{} for _ in rows]
-        requests = []
+        requests, start = [], time.perf_counter()
         for i, row in enumerate(rows):
             try:
                 requests.append((i, *self._request(row)))
@@ -77,13 +77,16 @@ class Replica:
         for key in ("text", "token_ids", "finish_reason", "error"):
             columns[key] = [answer.get(key) for answer in answers]
         columns["replica"] = [self.name] * len(rows)
+        # the batch's time in this replica, spread over its rows: summed per replica, its busy time
+        columns["engine_seconds"] = [(time.perf_counter() - start) / len(rows)] * len(rows)
         return columns
 
 
 def generate(dataset, model: str, *, replicas: int = 1, sampling_params: SamplingParams | dict | None = None,
              batch_size: int = 256, **llm_kwargs):
     """Ray Data: `dataset` (rows as above) -> a dataset of answer rows, with a "replica" column naming
-    the actor that answered. `replicas` actors each own an LLM(model, **llm_kwargs) and ask Ray for
+    the actor that answered and "engine_seconds" (its batch's time in that actor, spread evenly over
+    the batch's rows). `replicas` actors each own an LLM(model, **llm_kwargs) and ask Ray for
     tensor_parallel_size GPUs (CPUs on a CPU machine). A replica that dies costs time, not rows: Ray
     restarts it and retries its batches. device="auto" means GPUs where the cluster has any (the driver's
     own machine may have none)."""
@@ -105,18 +108,38 @@ def generate(dataset, model: str, *, replicas: int = 1, sampling_params: Samplin
     resources = dict(num_gpus=tp) if device == "cuda" else dict(num_cpus=tp)
     return dataset.map_batches(
         Replica, fn_constructor_args=(str(model), sampling_params or {}, llm_kwargs), batch_format="pyarrow",
-        batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
+        batch_size=batch_size,
+        # one batch at a time per replica: the first replica up would otherwise take every batch queued
+        # before the others have loaded their engines (seen on 2 GPUs: one replica answered all rows)
+        compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1),
         max_restarts=-1, max_task_retries=-1, **resources)
 
 
 # ---- the command line --------------------------------------------------------------------------------
-def _read(path: Path):
+MAX_BLOCKS = 4096
+
+
+def _read(path: Path, batch_size: int):
+    """The input as a dataset of about one batch per block. A map task (one block, or small blocks
+    bundled up to a batch) runs in one replica: a file read as one block would keep the others idle."""
     import ray.data
+    import pyarrow.parquet as pq
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    parquet = [f for f in files if f.suffix == ".parquet"]
+    if parquet:
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in parquet)
+    else:
+        files = [f for f in files if f.suffix in (".jsonl", ".json")] if path.is_dir() else files
+        rows = 0
+        for f in files:
+            with open(f, "rb") as lines:
+                rows += sum(chunk.count(b"\n") for chunk in iter(lambda: lines.read(1 << 24), b""))
+    blocks = max(1, min(-(-rows // batch_size), MAX_BLOCKS))
+    if parquet:
+        return ray.data.read_parquet(str(path), override_num_blocks=blocks)
     if path.is_dir():
-        if any(path.glob("*.parquet")):
-            return ray.data.read_parquet(str(path))
-        return ray.data.read_json(str(path), lines=True, file_extensions=["jsonl", "json"])
-    return ray.data.read_json(str(path), lines=True)
+        return ray.data.read_json(str(path), lines=True, file_extensions=["jsonl", "json"], override_num_blocks=blocks)
+    return ray.data.read_json(str(path), lines=True, override_num_blocks=blocks)
 
 
 def _value(text: str):
@@ -215,12 +238,15 @@ def main(argv: list[str] | None = None) -> dict:
     else:   # a Ray of its own for this run, counting at least one CPU more than the replicas take (for reads)
         ray.init(address="local", log_to_driver=False,
                  num_cpus=max(os.cpu_count() or 1, args.replicas * llm_kwargs.get("tensor_parallel_size", 1) + 1))
-    answers = generate(_read(args.input), args.model, replicas=args.replicas, sampling_params=sampling_params,
+    answers = generate(_read(args.input, args.batch_size), args.model, replicas=args.replicas, sampling_params=sampling_params,
                        batch_size=args.batch_size, **llm_kwargs)
-    start, rows, tokens, per_replica = time.perf_counter(), 0, 0, Counter()
+    start, rows, tokens, per_replica, busy, replica_tokens = time.perf_counter(), 0, 0, Counter(), Counter(), Counter()
     with _Writer(args.output) as out:
         for row in answers.iter_rows():      # rows stream through; the dataset never sits in one process
-            per_replica[row.pop("replica")] += 1
+            replica = row.pop("replica")
+            per_replica[replica] += 1
+            busy[replica] += row.pop("engine_seconds")
+            replica_tokens[replica] += len(row["token_ids"] or [])
             out.write(row)
             rows += 1
             tokens += len(row["token_ids"] or [])
@@ -228,11 +254,16 @@ def main(argv: list[str] | None = None) -> dict:
                 elapsed = time.perf_counter() - start
                 print(f"{rows} rows, {rows / elapsed:.1f} rows/s, {tokens / elapsed:.0f} tok/s", flush=True)
     elapsed = time.perf_counter() - start
+    # the busiest replica's time in its engine: the run's length without start-up and Ray's own overhead
+    makespan = max(busy.values(), default=0.0)
     summary = dict(rows=rows, seconds=elapsed, rows_per_s=rows / elapsed, tokens_per_s=tokens / elapsed,
-                   per_replica_rows=dict(per_replica))
-    print(f"done: {rows} rows in {elapsed:.1f} s ({rows / elapsed:.1f} rows/s, {tokens / elapsed:.0f} tok/s)")
+                   per_replica_rows=dict(per_replica), per_replica_engine_seconds=dict(busy),
+                   engine_tokens_per_s=tokens / makespan if makespan else 0.0)
+    print(f"done: {rows} rows in {elapsed:.1f} s ({rows / elapsed:.1f} rows/s, {tokens / elapsed:.0f} tok/s); "
+          f"in the engines: {makespan:.1f} s for the busiest replica ({summary['engine_tokens_per_s']:.0f} tok/s)")
     for replica, count in sorted(per_replica.items()):
-        print(f"  replica {replica}: {count} rows, {count / elapsed:.1f} rows/s")
+        print(f"  replica {replica}: {count} rows, {count / elapsed:.1f} rows/s; {busy[replica]:.1f} s in its "
+              f"engine, {replica_tokens[replica] / max(busy[replica], 1e-9):.0f} tok/s there")
     return summary
 
 

@@ -88,6 +88,7 @@ def test_two_replicas_on_two_nodes_answer_as_one_llm(cluster, model, expected):
     answers = run(model, ROWS).take_all()
     check(answers, expected)
     assert len({a["replica"] for a in answers}) == 2                 # both replicas took batches
+    assert all(a["engine_seconds"] > 0 for a in answers)             # each batch's time in its replica
     assert expected[3] is not None and len(expected[3][1]) == 3      # the row's own max_tokens
     assert sum(v is None for v in expected.values()) == 3           # empty, bad token id, too long
 
@@ -123,7 +124,8 @@ def test_the_command_line_writes_one_jsonl_row_per_input_row(model, expected, tm
         else:
             assert set(row) == {"id", "text", "token_ids", "finish_reason"}
             assert (row["text"], row["token_ids"], row["finish_reason"]) == want
-    assert "done: 16 rows" in result.stdout
+    assert "done: 16 rows" in result.stdout and "in the engines:" in result.stdout
+    assert result.stdout.count("  replica ") == 2       # one file, read in blocks that both replicas took
 
 
 def test_a_parquet_output_keeps_its_column_types_whatever_rows_come_first(tmp_path):
