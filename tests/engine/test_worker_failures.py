@@ -178,8 +178,12 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(model_dir, device, tm
 
 
 GENERATE_FOREVER = """
+    import signal
     import sys
     from nanovllm import LLM, SamplingParams
+    # Ctrl-C as in a terminal: a runner started in the background (bash without job control) passes
+    # SIGINT on ignored, and Python then never raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if __name__ == "__main__":
         llm = LLM({model!r}, **{args!r})
         print("worker", llm.workers.processes[0].pid, flush=True)
