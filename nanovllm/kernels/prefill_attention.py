@@ -5,9 +5,10 @@ batch, so one compiled kernel serves every batch. Each program loads one [BLOCK_
 rows and runs an online softmax over the keys in [BLOCK_N, D] tiles with fp32 statistics and
 accumulator. With grouped-query attention a tile's rows are BLOCK_M // GROUP queries times the GROUP q
 heads that share one kv head (row r: query r // GROUP, head r % GROUP), so each K/V tile is loaded once
-for the whole group (H100, 16 x 1024 and 1 x 12,000 tokens: 3-7% faster than a program per q head). Tiles that no mask touches run in a loop without masks; the
-tiles on the causal diagonal (bottom-right aligned) and the ragged last tile run in a second,
-masked loop. With a block table, each key tile's rows are found through the sequence's row of it.
+for the whole group (H100, 16 x 1024 and 1 x 12,000 tokens: 3-7% faster than a program per q head).
+Tiles that no mask touches run in a loop without masks; the tiles on the causal diagonal (bottom-right
+aligned) and the ragged last tile run in a second, masked loop. With a block table, each key tile's
+rows are found through the sequence's row of it.
 """
 import math
 
