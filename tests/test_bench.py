@@ -167,6 +167,8 @@ def test_every_workload_runs_end_to_end_with_a_json_line_each(capsys, checkpoint
     assert [f["workload"] for f in lines] == list(bench.WORKLOADS)
     for figures in lines:
         assert 0 < figures["fraction_of_floor"] <= 1 and figures["throughput"] > 0
+        assert figures["prompt_and_output_throughput"] == pytest.approx(
+            (figures["prompt_tokens"] + figures["total_tokens"]) / figures["time_s"])
     by_name = {f["workload"]: f for f in lines}
     single = by_name["single-stream"]
     assert single["temperature"] == 0.0 and single["ttft_ms"] > 0
