@@ -27,10 +27,13 @@ def test_tensor_parallel_picks_what_one_gpu_would(model_dir, tp):
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     with LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=1024) as llm:
         parallel = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        # a lone prompt's prefill replays its CUDA graph (with the all-reduces inside) on every rank
+        lone = [llm.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in prompts[:2]]
     with LLM(str(model_dir), max_model_len=1024) as single:
-        reference = forced_logprobs(single, prompts, parallel, num_forced=NUM_TOKENS - 1)
+        reference = torch.cat([forced_logprobs(single, prompts, parallel, num_forced=NUM_TOKENS - 1),
+                               forced_logprobs(single, prompts[:2], lone, num_forced=NUM_TOKENS - 1)])
         alone = [o["token_ids"] for o in single.generate(prompts, params, use_tqdm=False)]
-    picked = reference.gather(-1, torch.tensor(parallel, device=reference.device).unsqueeze(-1)).squeeze(-1)
+    picked = reference.gather(-1, torch.tensor(parallel + lone, device=reference.device).unsqueeze(-1)).squeeze(-1)
     shortfall = (reference.max(-1).values - picked).max().item()
     identical = [next((i for i, (a, b) in enumerate(zip(p, s)) if a != b), NUM_TOKENS)
                  for p, s in zip(parallel, alone)]
