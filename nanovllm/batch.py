@@ -117,29 +117,34 @@ def generate(dataset, model: str, *, replicas: int = 1, sampling_params: Samplin
 
 # ---- the command line --------------------------------------------------------------------------------
 MAX_BLOCKS = 4096
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def _count_rows(files: list[Path]) -> int:
+    """Rows in Parquet files (from their metadata) or JSONL files (their newlines)."""
+    import pyarrow.parquet as pq
+    rows = 0
+    for f in files:
+        if f.suffix == ".parquet":
+            rows += pq.ParquetFile(f).metadata.num_rows
+        else:
+            with open(f, "rb") as lines:
+                rows += sum(chunk.count(b"\n") for chunk in iter(lambda: lines.read(1 << 24), b""))
+    return rows
 
 
 def _read(path: Path, batch_size: int):
     """The input as a dataset of about one batch per block. A map task (one block, or small blocks
     bundled up to a batch) runs in one replica: a file read as one block would keep the others idle."""
     import ray.data
-    import pyarrow.parquet as pq
     files = sorted(path.iterdir()) if path.is_dir() else [path]
     parquet = [f for f in files if f.suffix == ".parquet"]
-    if parquet:
-        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in parquet)
-    else:
-        files = [f for f in files if f.suffix in (".jsonl", ".json")] if path.is_dir() else files
-        rows = 0
-        for f in files:
-            with open(f, "rb") as lines:
-                rows += sum(chunk.count(b"\n") for chunk in iter(lambda: lines.read(1 << 24), b""))
-    blocks = max(1, min(-(-rows // batch_size), MAX_BLOCKS))
+    files = parquet or ([f for f in files if f.suffix in JSON_SUFFIXES] if path.is_dir() else files)
+    blocks = max(1, min(-(-_count_rows(files) // batch_size), MAX_BLOCKS))
     if parquet:
         return ray.data.read_parquet(str(path), override_num_blocks=blocks)
-    if path.is_dir():
-        return ray.data.read_json(str(path), lines=True, file_extensions=["jsonl", "json"], override_num_blocks=blocks)
-    return ray.data.read_json(str(path), lines=True, override_num_blocks=blocks)
+    extensions = dict(file_extensions=[s.lstrip(".") for s in JSON_SUFFIXES]) if path.is_dir() else {}
+    return ray.data.read_json(str(path), lines=True, override_num_blocks=blocks, **extensions)
 
 
 def _value(text: str):

@@ -81,13 +81,13 @@ class CudaGraphs:
             self.decode_graphs[bs] = self._capture(bs)
 
     # ---- replay -------------------------------------------------------------------------------------------
-    def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The rows every graph reads; padding rows store nothing (slot -1)."""
         n, v = input_ids.size(0), self.vars
         v["input_ids"][:n] = input_ids
         v["positions"][:n] = positions
         v["slot_mapping"].fill_(-1)
         v["slot_mapping"][:n] = slot_mapping
-        return n
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Hidden states of a decode step under the current context, or None: no bucket holds the batch."""

@@ -168,8 +168,9 @@ class Workers:
     def stop(self, exit_rank0=None, graceful: bool = True) -> None:
         """Stop every rank. Graceful (and every worker alive): the workers are told to `exit` and, once each
         has read it (within STOP_SECONDS), rank 0 runs `exit_rank0` beside them (NCCL tears a communicator
-        down with all its ranks); they then get STOP_SECONDS to leave. Otherwise they are killed first, and rank 0's group aborted, so that
-        rank 0's exit cannot wait on a collective they will never join. The buffer is unlinked either way."""
+        down with all its ranks); they then get STOP_SECONDS to leave. Otherwise they are killed first and
+        rank 0's group aborted, so that rank 0's exit cannot wait on a collective they will never join. The
+        buffer is unlinked either way."""
         self._stopping = True
         if self.processes:
             os.write(self._wake_write, b"x")
