@@ -141,8 +141,8 @@ def _read(path: Path, batch_size: int):
     parquet = [f for f in files if f.suffix == ".parquet"]
     files = parquet or ([f for f in files if f.suffix in JSON_SUFFIXES] if path.is_dir() else files)
     blocks = max(1, min(-(-_count_rows(files) // batch_size), MAX_BLOCKS))
-    if parquet:
-        return ray.data.read_parquet(str(path), override_num_blocks=blocks)
+    if parquet:     # Ray reads small Parquet files as one block whatever it is asked: split them after
+        return ray.data.read_parquet(str(path)).repartition(blocks)
     extensions = dict(file_extensions=[s.lstrip(".") for s in JSON_SUFFIXES]) if path.is_dir() else {}
     return ray.data.read_json(str(path), lines=True, override_num_blocks=blocks, **extensions)
 

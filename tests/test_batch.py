@@ -128,6 +128,26 @@ def test_the_command_line_writes_one_jsonl_row_per_input_row(model, expected, tm
     assert result.stdout.count("  replica ") == 2       # one file, read in blocks that both replicas took
 
 
+@pytest.mark.parametrize("form", ["jsonl file", "parquet directory"])
+def test_the_command_line_reads_about_one_block_per_batch(cluster, tmp_path, form):
+    """A replica takes whole blocks: an input read as fewer blocks than batches would idle the others."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"id": i, "prompt": f"row {i}"} for i in range(15)]
+    if form == "jsonl file":
+        path = tmp_path / "in.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        path = tmp_path / "in"
+        path.mkdir()
+        pq.write_table(pa.Table.from_pylist(rows[:10]), path / "a.parquet")
+        pq.write_table(pa.Table.from_pylist(rows[10:]), path / "b.parquet")
+    dataset = batch._read(path, batch_size=4)
+    blocks = [len(b["id"]) for b in dataset.iter_batches(batch_size=None)]
+    assert len(blocks) == 4 and max(blocks) <= 4, blocks
+    assert sorted(r["id"] for r in dataset.take_all()) == list(range(15))
+
+
 def test_a_parquet_output_keeps_its_column_types_whatever_rows_come_first(tmp_path):
     import pyarrow.parquet as pq
     rows = [{"id": 1, "text": None, "token_ids": None, "finish_reason": None, "error": "ValueError: empty"},
