@@ -11,6 +11,7 @@ from nanovllm.models import SUPPORTED_ARCHITECTURES
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}   # None: the model's dtype
 CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, independent of free RAM
 
 
@@ -50,6 +51,7 @@ class Config:
     device: str = "auto"
     dtype: str | torch.dtype = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
@@ -90,6 +92,7 @@ class Config:
             raise ValueError(f"{self.model!r} uses sliding-window attention layers, which are not supported")
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self._resolve_dtype()
+        self._resolve_kv_cache_dtype()
         self._resolve_attention_backend()
         self._check_tensor_parallel()
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -121,17 +124,30 @@ class Config:
         else:
             raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype!r}")
 
+    def _resolve_kv_cache_dtype(self) -> None:
+        """"auto": the model's dtype; "fp8": float8_e4m3fn, K and V stored as they are (scale 1.0) and
+        saturated at +-448 (docs/fp8_kv_cache.md)."""
+        if self.kv_cache_dtype in (self.dtype, torch.float8_e4m3fn):
+            return
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
     def _resolve_attention_backend(self) -> None:
         backend, block_size = self.attention_backend, self.kvcache_block_size
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         has_flash_attn = find_spec("flash_attn") is not None
+        fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
         if backend == "auto":
             if self.device == "cpu":
                 backend = "torch"
-            else:
-                backend = "flash_attn" if has_flash_attn and block_size % 256 == 0 else "triton"
+            else:   # flash-attn 2 reads no fp8 cache: an fp8 cache always takes our Triton kernels
+                backend = "flash_attn" if has_flash_attn and block_size % 256 == 0 and not fp8 else "triton"
         if backend == "flash_attn":
+            if fp8:
+                raise ValueError("attention_backend='flash_attn' cannot read an fp8 KV cache; use "
+                                 "kv_cache_dtype='auto', or attention_backend='triton' (or 'auto', which picks it)")
             if self.device != "cuda" or not has_flash_attn:
                 raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")
             if block_size % 256 != 0:

@@ -9,7 +9,7 @@ def random_paged_cache(lens, kv_heads, head_dim, block_size, dtype, device, widt
     width = width or max(need) + 1
     num_blocks = sum(need) + extra_blocks
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    v_cache = torch.randn(k_cache.shape, device=device).to(dtype)
     perm = torch.randperm(num_blocks, device=device).to(torch.int32)
     table = torch.full((len(lens), width), -1, dtype=torch.int32, device=device)
     used = 0

@@ -72,6 +72,25 @@ def test_floor_matches_design_numbers():
     assert floor["floor_s"] == pytest.approx(5.2, abs=0.05)
 
 
+def test_an_fp8_kv_cache_halves_the_floors_kv_reads():
+    config = AutoConfig.for_model("qwen3", **QWEN3_0_6B)
+    workload = bench.make_workload(256, 1024, 1024, seed=0)
+    bf16 = bench.hardware_floor(config, 596_049_920, 2, workload, bandwidth=3.0e12, flops=800e12)
+    fp8 = bench.hardware_floor(config, 596_049_920, 2, workload, bandwidth=3.0e12, flops=800e12, kv_itemsize=1)
+    assert fp8["kv_read_bytes"] * 2 == bf16["kv_read_bytes"]
+    assert fp8["weight_read_bytes"] == bf16["weight_read_bytes"]
+
+
+def test_fp8_kv_cache_reaches_the_engine_and_the_floor(checkpoint, capsys):
+    """On CPU the model runs in float32, so the same KV budget holds four times the blocks in fp8."""
+    argv = ["--model", str(checkpoint), *TINY_RUN, "--bandwidth", "1000", "--peak-tflops", "10"]
+    auto = run_bench(capsys, argv)
+    fp8 = run_bench(capsys, argv + ["--kv-cache-dtype", "fp8"])
+    assert (auto["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("float32", "float8_e4m3fn")
+    assert fp8["num_kv_blocks"] == 4 * auto["num_kv_blocks"]
+    assert fp8["kv_read_bytes"] * 4 == auto["kv_read_bytes"]
+
+
 def test_count_parameters_counts_tied_embedding_once(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert bench.count_parameters(checkpoint, tied=True) == model.num_parameters()

@@ -17,6 +17,12 @@ def test_resolves_cpu_defaults(tiny_model):
     assert config.eos_token_ids == {config.hf_config.eos_token_id}
 
 
+def test_kv_cache_dtype_auto_is_the_model_dtype_and_fp8_is_e4m3(tiny_model):
+    assert Config(str(tiny_model)).kv_cache_dtype == Config(str(tiny_model)).dtype
+    assert Config(str(tiny_model), dtype="bfloat16").kv_cache_dtype == torch.bfloat16
+    assert Config(str(tiny_model), kv_cache_dtype="fp8").kv_cache_dtype == torch.float8_e4m3fn
+
+
 def test_explicit_dtype_and_block_count(tiny_model):
     config = Config(str(tiny_model), dtype="bfloat16", num_kvcache_blocks=7, kvcache_block_size=16)
     assert config.dtype == torch.bfloat16 and config.num_kvcache_blocks == 7
@@ -39,6 +45,9 @@ def test_explicit_dtype_and_block_count(tiny_model):
     (dict(device="tpu"), ValueError, "device"),
     (dict(dtype="float64"), ValueError, "dtype"),
     (dict(attention_backend="xformers"), ValueError, "attention_backend"),
+    (dict(kv_cache_dtype="fp8_e5m2"), ValueError, "kv_cache_dtype"),
+    (dict(kv_cache_dtype=torch.float16), ValueError, "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8", attention_backend="flash_attn"), ValueError, "cannot read an fp8 KV cache"),
     (dict(enforce_eager="yes"), TypeError, "enforce_eager"),
     (dict(enable_prefix_caching=None), TypeError, "enable_prefix_caching"),
 ])

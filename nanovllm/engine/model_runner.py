@@ -142,8 +142,7 @@ class ModelRunner:
                 head_dim)
 
     def _block_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.config.dtype).element_size()
-        return math.prod(self._kv_cache_shape(1)) * itemsize
+        return math.prod(self._kv_cache_shape(1)) * self.config.kv_cache_dtype.itemsize
 
     def _num_kvcache_blocks(self) -> int:
         config, block_bytes = self.config, self._block_bytes()
@@ -169,7 +168,8 @@ class ModelRunner:
             t = torch.tensor([num_blocks], device=self.device)
             num_blocks = int(self.tp.all_reduce(t, dist.ReduceOp.MIN).item())
         self.num_kvcache_blocks = num_blocks
-        self.kv_cache = torch.empty(self._kv_cache_shape(num_blocks), dtype=self.config.dtype, device=self.device)
+        self.kv_cache = torch.empty(self._kv_cache_shape(num_blocks), dtype=self.config.kv_cache_dtype,
+                                    device=self.device)
         for i, layer in enumerate(self._attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -293,7 +293,8 @@ class ModelRunner:
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer, K and V), queued behind the step that wrote the sources."""
         source, destination = (self._tensor(list(column), torch.int64) for column in zip(*block_copies))
-        self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
+        cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+        cache[:, :, destination] = cache[:, :, source]     # fp8 as bytes: not every device indexes float8
 
     def capture_cudagraph(self) -> None:
         hf, config = self.config.hf_config, self.config

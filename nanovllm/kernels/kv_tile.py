@@ -1,6 +1,25 @@
-"""Loading one tile of keys and values, packed or through a sequence's row of the block table."""
+"""Loading one tile of keys and values, packed or through a sequence's row of the block table, and the
+dtype the attention dots run in when the cache is fp8."""
+import torch
 import triton
 import triton.language as tl
+
+
+def wants_fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """An fp8 cache read by bf16 queries: the dots run in float16, because Hopper widens fp8 to float16
+    in one instruction and to bf16 only through float32. float16 holds bf16's values in its range (and
+    p in [0, 1] more exactly), so accuracy does not suffer."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+
+
+@triton.jit
+def dot_operand(q, FP16_DOTS: tl.constexpr):
+    """q as the dots take it: with FP16_DOTS, float16 saturated at its largest value (K/V tiles are
+    widened to q's dtype as they are loaded)."""
+    if FP16_DOTS:
+        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        return q
 
 
 @triton.jit

@@ -8,7 +8,8 @@ heads that share one kv head (row r: query r // GROUP, head r % GROUP), so each 
 for the whole group (H100, 16 x 1024 and 1 x 12,000 tokens: 3-7% faster than a program per q head).
 Tiles that no mask touches run in a loop without masks; the tiles on the causal diagonal (bottom-right
 aligned) and the ragged last tile run in a second, masked loop. With a block table, each key tile's
-rows are found through the sequence's row of it.
+rows are found through the sequence's row of it, and an fp8 cache's tiles are widened to q's dtype (to
+float16 for bf16 queries: kv_tile.wants_fp16_dots).
 """
 import math
 
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_tile import load_kv_tile, tile_page
+from .kv_tile import dot_operand, load_kv_tile, tile_page, wants_fp16_dots
 
 _LOG2E = 1.4426950408889634
 
@@ -37,6 +38,7 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
         k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, seq_k, offs_d,
                             stride_kb, stride_kt, stride_vb, stride_vt,
                             PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
+        k, v = k.to(q.dtype), v.to(q.dtype)     # an fp8 cache is dequantized here, in registers
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)      # unscaled: the scale rides in the exp's FMA
         if MASKED:
@@ -62,6 +64,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,6 +92,7 @@ def _prefill_kernel(
         q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
     else:
         q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = dot_operand(q, FP16_DOTS)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -141,7 +145,7 @@ def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
                       block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      max_seqlen_q=None):
+                      max_seqlen_q=None, fp16_dots=None):
     """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
@@ -188,6 +192,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), PAGED=paged, PAGE=page,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_DOTS=wants_fp16_dots(q, k) if fp16_dots is None else fp16_dots,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

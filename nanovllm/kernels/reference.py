@@ -8,11 +8,22 @@ import torch
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """Write key/value [N, kv_heads, head_dim] into the paged caches at flat slots; slot -1 is skipped."""
+    """Write key/value [N, kv_heads, head_dim] into the paged caches at flat slots; slot -1 is skipped.
+    With an fp8 cache, key and value are rounded in place to the values stored."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        stored = to_cache_dtype(x[keep], cache.dtype)
+        cache.view(-1, *cache.shape[2:])[slots] = stored
+        if cache.dtype == torch.float8_e4m3fn:   # attention over x now sees what the cache holds
+            x[keep] = stored.to(x.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the cache stores of x: fp8 (float8_e4m3fn) saturates at +-448, its largest finite value."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-448.0, 448.0)
+    return x.to(dtype)
 
 
 def _gather_pages(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Tensor parallelism on several GPUs (NCCL, CUDA graphs on): what TP=N decodes greedily is what one
-GPU would pick, up to bf16 near-ties, on a random-weight checkpoint of Qwen3-0.6B's shape."""
+GPU would pick, up to bf16 near-ties, on a random-weight checkpoint of Qwen3-0.6B's shape (with the
+model's dtype in the KV cache, and with fp8 on both sides)."""
 import pytest
 import torch
 
@@ -19,17 +20,17 @@ def model_dir(make_checkpoint):
     return make_checkpoint(dtype=torch.bfloat16, **QWEN3_0_6B)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_picks_what_one_gpu_would(model_dir, tp):
+@pytest.mark.parametrize("tp, kv_cache_dtype", [(2, "auto"), (4, "auto"), (2, "fp8")])
+def test_tensor_parallel_picks_what_one_gpu_would(model_dir, tp, kv_cache_dtype):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPUs")
     prompts = random_prompts(8, seed=20)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    with LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=1024) as llm:
+    with LLM(str(model_dir), tensor_parallel_size=tp, max_model_len=1024, kv_cache_dtype=kv_cache_dtype) as llm:
         parallel = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         # a lone prompt's prefill replays its CUDA graph (with the all-reduces inside) on every rank
         lone = [llm.generate([p], params, use_tqdm=False)[0]["token_ids"] for p in prompts[:2]]
-    with LLM(str(model_dir), max_model_len=1024) as single:
+    with LLM(str(model_dir), max_model_len=1024, kv_cache_dtype=kv_cache_dtype) as single:
         reference = torch.cat([forced_logprobs(single, prompts, parallel, num_forced=NUM_TOKENS - 1),
                                forced_logprobs(single, prompts[:2], lone, num_forced=NUM_TOKENS - 1)])
         alone = [o["token_ids"] for o in single.generate(prompts, params, use_tqdm=False)]
@@ -37,6 +38,6 @@ def test_tensor_parallel_picks_what_one_gpu_would(model_dir, tp):
     shortfall = (reference.max(-1).values - picked).max().item()
     identical = [next((i for i, (a, b) in enumerate(zip(p, s)) if a != b), NUM_TOKENS)
                  for p, s in zip(parallel, alone)]
-    print(f"TP={tp}: largest shortfall from one GPU's argmax {shortfall:.4f}; "
+    print(f"TP={tp}, {kv_cache_dtype} KV cache: largest shortfall from one GPU's argmax {shortfall:.4f}; "
           f"tokens identical to one GPU before the first difference: {identical}")
     assert shortfall < TIE_MARGIN

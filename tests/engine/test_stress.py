@@ -1,4 +1,5 @@
-"""Heavy load changes nothing but speed: constant preemption and prefix caching keep greedy outputs exact."""
+"""Heavy load changes nothing but speed: constant preemption and prefix caching keep greedy outputs exact,
+with the model's dtype in the KV cache and with fp8 ("fp8" rounds what is stored, the same either way)."""
 import random
 
 import pytest
@@ -16,21 +17,26 @@ def token_ids(outputs):
     return [o["token_ids"] for o in outputs]
 
 
-def test_constant_preemption_changes_nothing(tiny_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_constant_preemption_changes_nothing(tiny_model, kv_cache_dtype):
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 40))] for _ in range(24)]
     params = [greedy(rng.randint(1, 20)) for _ in prompts]
-    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128) as roomy:
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128,
+             kv_cache_dtype=kv_cache_dtype) as roomy:
         expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
         assert roomy.stats["num_preemptions"] == 0
-    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128, num_kvcache_blocks=5) as cramped:
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128, num_kvcache_blocks=5,
+             kv_cache_dtype=kv_cache_dtype) as cramped:
         assert token_ids(cramped.generate(prompts, params, use_tqdm=False)) == expected
         assert cramped.stats["num_preemptions"] >= 10
         assert cramped.scheduler.block_manager.used_block_ids == set()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("prefix_len", [5, 16, 40])
-def test_prefix_caching_on_and_off_agree_and_hits_are_what_the_prefix_implies(tiny_model, prefix_len):
+def test_prefix_caching_on_and_off_agree_and_hits_are_what_the_prefix_implies(tiny_model, prefix_len,
+                                                                              kv_cache_dtype):
     rng = random.Random(prefix_len)
     prefix = [rng.randrange(512) for _ in range(prefix_len)]
     first = prefix + [1, 2, 3]
@@ -38,7 +44,7 @@ def test_prefix_caching_on_and_off_agree_and_hits_are_what_the_prefix_implies(ti
     results = {}
     for caching in (True, False):
         with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128,
-                 enable_prefix_caching=caching) as llm:
+                 enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype) as llm:
             out_first = token_ids(llm.generate([first], greedy(6), use_tqdm=False))
             before = llm.stats
             out_others = token_ids(llm.generate(others, greedy(6), use_tqdm=False))
@@ -52,7 +58,8 @@ def test_prefix_caching_on_and_off_agree_and_hits_are_what_the_prefix_implies(ti
     assert results[True] == results[False]
 
 
-def test_prompts_sharing_a_prefix_in_one_step_hit_it_and_decode_as_without_the_cache(tiny_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_prompts_sharing_a_prefix_in_one_step_hit_it_and_decode_as_without_the_cache(tiny_model, kv_cache_dtype):
     """Nothing cached beforehand, every prompt in the same prefill step: each prefix is computed once (by
     its first prompt), the others read its blocks as that step writes them, and greedy outputs are
     those of an engine without a prefix cache."""
@@ -63,7 +70,7 @@ def test_prompts_sharing_a_prefix_in_one_step_hit_it_and_decode_as_without_the_c
     results = {}
     for caching in (True, False):
         with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128,
-                 enable_prefix_caching=caching) as llm:
+                 enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype) as llm:
             results[caching] = token_ids(llm.generate(prompts, greedy(6), use_tqdm=False))
             expected_hits = (len(prompts) - len(prefixes)) * 2 * BLOCK if caching else 0
             assert llm.stats["num_prefix_cache_hit_tokens"] == expected_hits

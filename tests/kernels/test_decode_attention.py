@@ -72,6 +72,19 @@ def test_fp16_scale_and_zero_length():
         _check(out[1:], ref[1:], 2e-3)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_fp8_cache(dtype, tol):
+    """An fp8 cache widened in registers: the same as the reference reading the same fp8 values (bf16
+    queries: the dots run in float16)."""
+    lens = [1, 30, 75]
+    q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float8_e4m3fn, DEVICE)
+    q = q.to(dtype)
+    for splits in (1, 3):
+        out = decode_attention(q, k, v, seqlens, table, num_splits=splits)
+        assert out.dtype == dtype
+        _check(out, _ref(q, k, v, seqlens, table), tol)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 1024, 132) == 1
     assert choose_num_splits(8, 8, 8192, 132) > 4
@@ -88,6 +101,16 @@ def test_full_size_bf16(batch, ctx):
     q, k, v, seqlens, table = _setup(lens, 16, 8, 128, 256, torch.bfloat16, "cuda", width=ctx // 256)
     out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
     _check(out, _ref(q, k, v, seqlens, table), 1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch,ctx", [(256, 1024), (8, 8192)])
+def test_full_size_fp8_cache(batch, ctx):
+    torch.manual_seed(0)
+    lens = torch.randint(1, ctx + 1, (batch,)).tolist()
+    q, k, v, seqlens, table = _setup(lens, 16, 8, 128, 256, torch.float8_e4m3fn, "cuda", width=ctx // 256)
+    out = flash_attn_with_kvcache(q.bfloat16(), k, v, cache_seqlens=seqlens, block_table=table)
+    _check(out, _ref(q.bfloat16(), k, v, seqlens, table), 1e-2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

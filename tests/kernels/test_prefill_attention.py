@@ -78,6 +78,19 @@ def test_paged_head_dim_128_fp16_non_causal():
     _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, False, table), 2e-3)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_paged_fp8_cache(dtype, tol):
+    """A prompt continuing an fp8 cache: tiles widened in registers, as the reference reads them."""
+    lens_q, lens_k = [3, 40], [70, 40]
+    q = torch.randn(sum(lens_q), 4, 64, device=DEVICE).to(dtype)
+    k_cache, v_cache, table = _paged(lens_k, 2, 64, 16, torch.float8_e4m3fn, DEVICE)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                 causal=True, block_table=table)
+    assert out.dtype == dtype
+    _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, True, table), tol)
+
+
 def test_tile_sizes_scale_and_strided_q():
     """Other tiles, a given softmax_scale, q a view of a fused qkv output, head_dim 80 padded to 128."""
     lens = [45, 18, 64]
@@ -100,6 +113,18 @@ def test_fewer_keys_than_queries():
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 10, 6, causal=True)
     assert out[:4].abs().max() == 0
     _check(out, _ref(q, k, v, cu_q, cu_k, lens_q, lens_k, True), 1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_full_size_paged_fp8_cache():
+    torch.manual_seed(0)
+    lens_q = [1024] * 6 + [1500, 548]
+    lens_k = [n + 300 * i for i, n in enumerate(lens_q)]
+    q = torch.randn(sum(lens_q), 16, 128, device="cuda", dtype=torch.bfloat16)
+    cu_q, cu_k = _cu(lens_q, "cuda"), _cu(lens_k, "cuda")
+    k, v, table = _paged(lens_k, 8, 128, 256, torch.float8_e4m3fn, "cuda")
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, block_table=table)
+    _check(out, _ref(q, k, v, cu_q, cu_k, lens_q, lens_k, True, table), 1e-2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
