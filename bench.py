@@ -29,7 +29,8 @@ TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, n
                   num_key_value_heads=2, head_dim=32, vocab_size=10240, max_position_embeddings=MAX_MODEL_LEN)
 DEFAULTS = {"cuda": dict(num_seqs=256, max_input_len=1024, max_output_len=1024),    # upstream's workload
             "cpu": dict(num_seqs=16, max_input_len=128, max_output_len=64)}       # a minute or two on CPU
-ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                "kv_cache_dtype")
 
 
 @dataclass
@@ -158,12 +159,13 @@ def count_parameters(model_dir: str | Path, tied: bool) -> int:
 
 
 def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload,
-                   bandwidth: float, flops: float) -> dict:
+                   bandwidth: float, flops: float, kv_itemsize: int | None = None) -> dict:
     """Seconds the run needs at best: decode bytes over bandwidth plus prefill FLOPs over peak FLOP/s.
-    Ideally every request runs at once, so the weights are read once per step of the longest output."""
+    Ideally every request runs at once, so the weights are read once per step of the longest output.
+    `itemsize`: the weights' bytes per value; `kv_itemsize` the KV cache's (default: the same)."""
     hf = hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * itemsize
+    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * (kv_itemsize or itemsize)
     lengths = [(len(p), o) for p, o in zip(workload.prompts, workload.max_tokens)]
     shared = workload.shared_tokens or [0] * len(lengths)
     # sum_{t<o} (p + t) per request, less its shared prefix: a prefix that several requests share is read
@@ -228,8 +230,8 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
                 num_preemptions=stats["num_preemptions"] - preemptions_before,
                 prefix_cache_hit_tokens=stats["num_prefix_cache_hit_tokens"] - hits_before,
                 peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
-                hf_config=config.hf_config, dtype=config.dtype,
-                num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
+                hf_config=config.hf_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
+                kv_block_size=config.kvcache_block_size, num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
 
 
 def run_nanovllm(args: argparse.Namespace, model: Path, workload: Workload) -> dict:
@@ -311,6 +313,8 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
         peak, total = result["peak_kv_blocks"], result["num_kv_blocks"]
         print(f"Preemptions: {result['num_preemptions']}, Peak KV blocks in use: {peak} / {total} ({peak / total:.0%}), "
               f"prefix-cache hits: {result['prefix_cache_hit_tokens']}tok")
+        print(f"KV cache: {str(result['kv_cache_dtype']).removeprefix('torch.')}, {total} blocks of "
+              f"{result['kv_block_size']} = {total * result['kv_block_size']} tokens")
     else:
         print("Prefill/decode split, preemptions, KV blocks: not reported by transformers")
     fraction = floor["floor_s"] / elapsed
@@ -318,10 +322,12 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
           f"reads {floor['weight_read_bytes'] / 1e12:.3g} TB at {floor['bandwidth_gbps']:.0f} GB/s, prefill "
           f"{floor['prefill_flops']:.3g} FLOP at {floor['peak_tflops']:.3g} TFLOP/s); "
           f"fraction of floor = {fraction:.3g}")
-    figures = {k: v for k, v in result.items() if k not in ("hf_config", "dtype", "generated")}
+    figures = {k: v for k, v in result.items() if k not in ("hf_config", "dtype", "kv_cache_dtype", "generated")}
+    kv_cache_dtype = result.get("kv_cache_dtype") or result["dtype"]
     return dict(figures, total_tokens=tokens, prompt_tokens=prompt_tokens, throughput=tokens / elapsed,
                 prompt_and_output_throughput=(prompt_tokens + tokens) / elapsed,
-                dtype=str(result["dtype"]).removeprefix("torch."), **floor, fraction_of_floor=fraction)
+                dtype=str(result["dtype"]).removeprefix("torch."),
+                kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."), **floor, fraction_of_floor=fraction)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -367,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
     engine.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one prefill step")
     engine.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
+    engine.add_argument("--kv-cache-dtype", choices=("auto", "fp8"),
+                        help="KV cache storage: the model's dtype (auto) or float8_e4m3fn; the floor counts its bytes")
     args = parser.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in DEFAULTS[args.device].items():
@@ -396,8 +404,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def floor_for(result: dict, model: Path, workload: Workload, bandwidth: float, flops: float) -> dict:
     hf_config = result["hf_config"]
     num_params = count_parameters(model, getattr(hf_config, "tie_word_embeddings", False))
+    kv_cache_dtype = result.get("kv_cache_dtype") or result["dtype"]
     return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload,
-                          bandwidth * result["num_devices"], flops * result["num_devices"])
+                          bandwidth * result["num_devices"], flops * result["num_devices"], kv_cache_dtype.itemsize)
 
 
 def run_workloads(args: argparse.Namespace, model: Path, bandwidth: float, flops: float) -> list[dict]:

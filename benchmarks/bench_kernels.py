@@ -1,9 +1,10 @@
 """Kernel benchmark: Triton decode and prefill attention on one CUDA GPU.
 
 Decode: achieved KV-read bandwidth (bytes of K and V read / time) at batch 256 x context 1024 and
-batch 8 x context 8192, against this device's device-to-device copy bandwidth (bytes read +
-written), measured in the same run. Prefill: TFLOP/s on a 16k-token causal varlen batch against
-torch's bundled flash attention (torch.nn.attention.varlen.varlen_attn). Attention shape of
+batch 8 x context 8192, with a bf16 and with an fp8 cache (fp8 bytes counted), against this device's
+device-to-device copy bandwidth (bytes read + written), measured in the same run. Prefill: TFLOP/s on a 16k-token causal varlen batch against
+torch's bundled flash attention (torch.nn.attention.varlen.varlen_attn), and through a paged cache in
+bf16 and fp8. Attention shape of
 Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128, bf16, block_size 256.
 
     PYTHONPATH=. python benchmarks/bench_kernels.py [--sweep]
@@ -39,31 +40,35 @@ def ms(fn, graph=False):
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def decode_inputs(batch, ctx):
+def decode_inputs(batch, ctx, cache_dtype=DTYPE):
     blocks_per_seq = ctx // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE).to(cache_dtype)
+    v_cache = torch.randn(k_cache.shape, device="cuda", dtype=DTYPE).to(cache_dtype)
     table = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
     q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, seqlens, table
 
 
-def bench_decode(batch, ctx, sweep):
-    q, k, v, seqlens, table = decode_inputs(batch, ctx)
+def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
+    q, k, v, seqlens, table = decode_inputs(batch, ctx, cache_dtype)
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
     if sweep:
         configs = [(None, bn, w, st) for bn, w, st in
-                   [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3)]]
+                   [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 2),
+                    (256, 8, 3)]]
         configs += [(s, None, None, None) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 256 <= ctx]
-        for s, bn, w, st in configs:
-            fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w, num_stages=st)
+        if k.dtype == torch.float8_e4m3fn:     # dots in bf16 instead of the default float16
+            configs += [(None, bn, 4, st, False) for bn, st in [(128, 2), (128, 3)]]
+        for s, bn, w, st, *fp16 in configs:
+            fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w,
+                                          num_stages=st, fp16_dots=fp16[0] if fp16 else None)
             try:
                 t = ms(fn, graph=True)
-                print(f"  sweep decode B={batch} ctx={ctx} splits={s or splits} block_n={bn} warps={w} "
-                      f"stages={st}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s", flush=True)
+                print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx={ctx} splits={s or splits} block_n={bn} warps={w} "
+                      f"stages={st}{' bf16 dots' if fp16 else ''}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s", flush=True)
             except Exception as e:                       # noqa: BLE001 - report and go on
                 print(f"  sweep decode {s, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
     fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
@@ -155,7 +160,15 @@ def bench_prefill(sweep):
                                            block_table=table)
     print(f"  max |paged - packed| = {(paged().float() - ours().float()).abs().max().item():.3e}")
     t_paged = ms(paged)
-    return tflops(t_ours), tflops(t_paged), tflops(t_torch), torch_desc, t_ours, t_torch
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    paged_fp8 = lambda: flash_attn_varlen_func(q, k8, v8, cu, cu, seq_len, seq_len, causal=True, block_table=table)
+    print(f"  max |paged fp8 - packed| = {(paged_fp8().float() - ours().float()).abs().max().item():.3e}")
+    t_paged_fp8 = ms(paged_fp8)
+    if sweep:
+        for fp16 in (False, True):
+            t = ms(lambda: prefill_attention(q, k8, v8, cu, cu, causal=True, block_table=table, fp16_dots=fp16))
+            print(f"  sweep prefill paged fp8 fp16_dots={fp16}: {t * 1e3:8.1f} us  {tflops(t):6.1f} TFLOP/s")
+    return tflops(t_ours), tflops(t_paged), tflops(t_paged_fp8), tflops(t_torch), torch_desc, t_ours, t_torch
 
 
 def torch_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -181,24 +194,27 @@ def main():
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     torch.manual_seed(0)
     copy_bw = measure_bandwidth(torch.device("cuda"))
-    decode = [(b, c, *bench_decode(b, c, args.sweep)) for b, c in [(256, 1024), (8, 8192)]]
+    decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in (DTYPE, torch.float8_e4m3fn)
+              for b, c in [(256, 1024), (8, 8192)]]
     prefill = bench_prefill(args.sweep)
     sampling = bench_sampling()
 
     print()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
-    print("| decode (16q/8kv heads, D=128, bf16, block 256) | splits | KV bytes | time (graph) | GB/s | % of copy | time (eager) |")
-    print("|---|---|---|---|---|---|---|")
-    for b, c, nbytes, splits, tg, te in decode:
+    print("| decode (16q/8kv heads, D=128, bf16 q, block 256) | cache | splits | KV bytes | time (graph) | GB/s | "
+          "% of copy | time (eager) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dt, b, c, nbytes, splits, tg, te in decode:
         bw = nbytes / (tg * 1e-3)
-        print(f"| batch {b} x ctx {c} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
+        print(f"| batch {b} x ctx {c} | {str(dt).removeprefix('torch.')} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
               f"{100 * bw / copy_bw:.0f}% | {te * 1e3:.1f} us |")
-    ours, paged, ref, desc, t_ours, t_ref = prefill
+    ours, paged, paged_fp8, ref, desc, t_ours, t_ref = prefill
     print()
     print("| prefill 16 x 1024 causal, 16q/8kv heads, D=128, bf16 | time | TFLOP/s | % of torch |")
     print("|---|---|---|---|")
     print(f"| Triton, packed K/V | {t_ours * 1e3:.0f} us | {ours:.1f} | {100 * ours / ref:.0f}% |")
     print(f"| Triton, paged K/V (block 256) | | {paged:.1f} | {100 * paged / ref:.0f}% |")
+    print(f"| Triton, paged fp8 K/V (block 256) | | {paged_fp8:.1f} | {100 * paged_fp8 / ref:.0f}% |")
     print(f"| torch: {desc} | {t_ref * 1e3:.0f} us | {ref:.1f} | 100% |")
     print()
     print("| sampling 256 x 151936 bf16 logits, T=0.6 | time | GB/s of logits read |")
