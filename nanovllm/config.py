@@ -53,6 +53,7 @@ class Config:
     attention_backend: str = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
+    disable_custom_all_reduce: bool = False
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
@@ -67,7 +68,7 @@ class Config:
     def __post_init__(self):
         path = _check_model_dir(self.model)
         self.model = str(path)
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)

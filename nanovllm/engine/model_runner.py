@@ -57,6 +57,8 @@ class ModelRunner:
     def _build(self) -> None:
         """The model, its weights, the KV cache and (unless eager) the decode graphs."""
         config, hf_config = self.config, self.config.hf_config
+        if self.device.type == "cuda" and self.world_size > 1 and not config.disable_custom_all_reduce:
+            self.tp.enable_peer_all_reduce(self.device, [rank_device(config, r) for r in range(self.world_size)])
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:

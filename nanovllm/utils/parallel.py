@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanovllm.utils.peer_memory import PeerAllReduce, takes
+
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
@@ -25,6 +27,7 @@ class TensorParallelGroup:
         self.rank, self.size, self.backend, self.store = rank, size, backend, store
         self.aborted = False
         self._lock = threading.Lock()     # abort() comes from rank 0's worker monitor thread
+        self.peer: PeerAllReduce | None = None    # the one-shot all-reduce, once enabled
 
     @staticmethod
     def joined_key(rank: int) -> str:
@@ -53,7 +56,16 @@ class TensorParallelGroup:
             raise RuntimeError("the tensor-parallel group was aborted: a rank died")
         return self.backend
 
+    def enable_peer_all_reduce(self, device: torch.device, devices: list[torch.device]) -> bool:
+        """Small all-reduces (decode steps) from now on through peer memory, if every pair of the ranks'
+        GPUs can reach each other (all ranks call this together; False: NCCL for everything)."""
+        self.peer = PeerAllReduce.connect(self.rank, self.size, device, self.store, devices)
+        return self.peer is not None
+
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.peer is not None and takes(x, op, self.peer.max_bytes):
+            self._live_backend()
+            return self.peer(x)
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
@@ -91,6 +103,8 @@ class TensorParallelGroup:
         """Break off every collective in flight, for good: a rank has died. NCCL kernels spinning on the
         dead rank return (with garbage), so a host waiting on them wakes; gloo fails by itself when a
         peer's sockets close."""
+        if self.peer is not None:
+            self.peer.abort()
         with self._lock:
             if self.aborted or self.backend is None:
                 return
@@ -102,7 +116,7 @@ class TensorParallelGroup:
         destroy_process_group would do for a global group (without it NCCL warns at exit). An aborted
         one has nothing left to shut down (and NCCL's shutdown would wait for the dead rank)."""
         with self._lock:
-            backend, self.backend, self.store = self.backend, None, None
+            backend, self.backend, self.store, self.peer = self.backend, None, None, None
             if self.aborted or backend is None:
                 return
         shutdown = getattr(backend, "shutdown", None) or getattr(backend, "_shutdown", None)
