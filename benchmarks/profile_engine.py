@@ -27,7 +27,8 @@ def kernel_summary(prof, kind: str, num_steps: int, wall_s: float) -> None:
     # NCCL's own kernels (the profiler also files their time under CPU-side records such as nccl:gather);
     # a collective's kernel time includes waiting for the slowest rank to arrive
     nccl = [e for e in events if e.key.startswith("ncclDevKernel")]
-    allreduce_us = sum(e.self_device_time_total for e in nccl if "AllReduce" in e.key)
+    one_shot = [e for e in events if e.key == "_one_shot_kernel"]     # ours, over peer memory (also waits)
+    allreduce_us = sum(e.self_device_time_total for e in [*one_shot, *(e for e in nccl if "AllReduce" in e.key)])
     other_us = sum(e.self_device_time_total for e in nccl if "AllReduce" not in e.key)
     launches = sum(e.count for e in events)
     print(f"profiled window: {num_steps} {kind} steps, wall {wall_s / num_steps * 1e3:.2f} ms/step, "
@@ -48,6 +49,7 @@ def main() -> None:
                         help="the kind of steps profiled: after 100 decode steps, or after the first 2 prefill steps")
     parser.add_argument("--profile-steps", type=int, default=20, help="steps of that kind under the profiler")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     parser.add_argument("--window-only", action="store_true", help="stop after the profiled window (the per-run "
                         "totals then cover only the steps so far)")
     args = parser.parse_args()
@@ -55,7 +57,7 @@ def main() -> None:
     workload = draw_workload(args.workload, "cuda", num_seqs=args.num_seqs, max_input_len=1024, max_output_len=1024)
     max_model_len = MAX_MODEL_LEN if args.workload == "standard" else WORKLOAD_MAX_MODEL_LEN
     llm = LLM(str(model), max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, disable_custom_all_reduce=args.disable_custom_all_reduce)
     temperature = 0.6 if workload.temperature is None else workload.temperature
     llm.generate(["warmup"], SamplingParams(max_tokens=4), use_tqdm=False)
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):
