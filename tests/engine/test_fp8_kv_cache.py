@@ -5,7 +5,6 @@ tests/engine/test_gpu_fp8_kv_cache.py."""
 import os
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 from nanovllm import LLM
@@ -33,19 +32,28 @@ def agreement(ours, theirs, margin=0.5):
     return kl, same, decided.float().mean().item()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_teacher_forced_distributions_stay_close_to_a_float32_cache(make_checkpoint, backend):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("on a GPU box the Triton backend is covered by the GPU tests")
+def forced(model_dir, backend, kv_cache_dtype, prompts, continuations):
+    with LLM(str(model_dir), device="cpu", attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
+             kvcache_block_size=16, max_model_len=128) as llm:
+        return forced_logprobs(llm, prompts, continuations, num_forced=len(continuations[0]))
+
+
+def test_teacher_forced_distributions_stay_close_to_a_float32_cache(make_checkpoint):
     model_dir = make_checkpoint(**SHAPE)
-    prompts = random_prompts(6, seed=0, lengths=(20, 90))
-    prompts = [[t % 512 for t in p] for p in prompts]
+    prompts = [[t % 512 for t in p] for p in random_prompts(6, seed=0, lengths=(20, 90))]
     continuations = [[t % 512 for t in c] for c in random_prompts(6, seed=1, lengths=(24, 24))]
-    logprobs = {}
-    for kv_cache_dtype in ("auto", "fp8"):
-        with LLM(str(model_dir), device="cpu", attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
-                 kvcache_block_size=16, max_model_len=128) as llm:
-            logprobs[kv_cache_dtype] = forced_logprobs(llm, prompts, continuations, num_forced=24)
-    kl, same, decided = agreement(logprobs["fp8"], logprobs["auto"])
-    print(f"{backend}: mean KL {kl:.2e}, top-1 agreement {same:.4f} on {decided:.0%} of positions")
+    fp8, full = (forced(model_dir, "torch", dtype, prompts, continuations) for dtype in ("fp8", "auto"))
+    kl, same, decided = agreement(fp8, full)
+    print(f"mean KL {kl:.2e}, top-1 agreement {same:.4f} on {decided:.0%} of positions")
     assert 0 < kl < 1e-2 and same >= 0.99 and decided > 0.15    # random weights: flat distributions
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests cover the Triton backend")
+def test_the_triton_kernels_read_an_fp8_cache_as_the_reference_does(make_checkpoint):
+    """The whole engine on the Triton backend (interpreter): prefill rounds and stores K/V in fp8, decode
+    reads them back, and the log-probs are the torch reference's."""
+    model_dir = make_checkpoint(**SHAPE)
+    prompts = [[t % 512 for t in p] for p in random_prompts(2, seed=2, lengths=(20, 40))]
+    continuations = [[t % 512 for t in c] for c in random_prompts(2, seed=3, lengths=(6, 6))]
+    triton, torch_ref = (forced(model_dir, backend, "fp8", prompts, continuations) for backend in ("triton", "torch"))
+    assert (triton - torch_ref).abs().max() < 1e-3
