@@ -127,7 +127,7 @@ class Config:
 
     def _resolve_kv_cache_dtype(self) -> None:
         """"auto": the model's dtype; "fp8": float8_e4m3fn, K and V stored as they are (scale 1.0) and
-        saturated at +-448 (docs/fp8_kv_cache.md)."""
+        saturated at +-448 (README, "FP8 KV cache")."""
         if self.kv_cache_dtype in (self.dtype, torch.float8_e4m3fn):
             return
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -13,13 +13,11 @@ import triton
 import triton.language as tl
 
 
-FP8_MAX = 448.0     # float8_e4m3fn's largest finite value
-
-
 @triton.jit
 def e4m3_bits(x):
-    """float32 -> the bits of float8_e4m3fn: saturated at +-FP8_MAX, rounded to nearest even. In integer
-    arithmetic, because Triton's interpreter rounds some casts wrongly (0.0307 -> 0.0156)."""
+    """float32 -> the bits of float8_e4m3fn: saturated at +-448 (its largest finite value), rounded to
+    nearest even. In integer arithmetic, because Triton's interpreter rounds some casts wrongly
+    (0.0307 -> 0.0156)."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
