@@ -231,7 +231,8 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
                 prefix_cache_hit_tokens=stats["num_prefix_cache_hit_tokens"] - hits_before,
                 peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
                 hf_config=config.hf_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-                kv_block_size=config.kvcache_block_size, num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
+                kv_block_size=config.kvcache_block_size,
+                num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
 
 
 def run_nanovllm(args: argparse.Namespace, model: Path, workload: Workload) -> dict:
@@ -290,7 +291,8 @@ def run_hf(model: Path, workload: Workload, device: torch.device) -> dict:
             generated = collect_hf(manager, request_ids, pbar)
             elapsed = perf_counter() - start
     return dict(time_s=elapsed, generated=generated, prefill_time_s=None, decode_time_s=None, num_preemptions=None,
-                prefix_cache_hit_tokens=None, peak_kv_blocks=None, num_kv_blocks=None, hf_config=hf_model.config, dtype=hf_model.dtype, num_devices=1)
+                prefix_cache_hit_tokens=None, peak_kv_blocks=None, num_kv_blocks=None, hf_config=hf_model.config,
+                dtype=hf_model.dtype, kv_cache_dtype=hf_model.dtype, num_devices=1)
 
 
 def rate(tokens: int, seconds: float) -> str:
@@ -323,11 +325,11 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
           f"{floor['prefill_flops']:.3g} FLOP at {floor['peak_tflops']:.3g} TFLOP/s); "
           f"fraction of floor = {fraction:.3g}")
     figures = {k: v for k, v in result.items() if k not in ("hf_config", "dtype", "kv_cache_dtype", "generated")}
-    kv_cache_dtype = result.get("kv_cache_dtype") or result["dtype"]
     return dict(figures, total_tokens=tokens, prompt_tokens=prompt_tokens, throughput=tokens / elapsed,
                 prompt_and_output_throughput=(prompt_tokens + tokens) / elapsed,
                 dtype=str(result["dtype"]).removeprefix("torch."),
-                kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."), **floor, fraction_of_floor=fraction)
+                kv_cache_dtype=str(result["kv_cache_dtype"]).removeprefix("torch."), **floor,
+                fraction_of_floor=fraction)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -406,9 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def floor_for(result: dict, model: Path, workload: Workload, bandwidth: float, flops: float) -> dict:
     hf_config = result["hf_config"]
     num_params = count_parameters(model, getattr(hf_config, "tie_word_embeddings", False))
-    kv_cache_dtype = result.get("kv_cache_dtype") or result["dtype"]
-    return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload,
-                          bandwidth * result["num_devices"], flops * result["num_devices"], kv_cache_dtype.itemsize)
+    return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload, bandwidth * result["num_devices"],
+                          flops * result["num_devices"], result["kv_cache_dtype"].itemsize)
 
 
 def run_workloads(args: argparse.Namespace, model: Path, bandwidth: float, flops: float) -> list[dict]:

@@ -243,18 +243,18 @@ def main(argv: list[str] | None = None) -> dict:
     else:   # a Ray of its own for this run, counting at least one CPU more than the replicas take (for reads)
         ray.init(address="local", log_to_driver=False,
                  num_cpus=max(os.cpu_count() or 1, args.replicas * llm_kwargs.get("tensor_parallel_size", 1) + 1))
-    answers = generate(_read(args.input, args.batch_size), args.model, replicas=args.replicas, sampling_params=sampling_params,
-                       batch_size=args.batch_size, **llm_kwargs)
+    answers = generate(_read(args.input, args.batch_size), args.model, replicas=args.replicas,
+                       sampling_params=sampling_params, batch_size=args.batch_size, **llm_kwargs)
     start, rows, tokens, per_replica, busy, replica_tokens = time.perf_counter(), 0, 0, Counter(), Counter(), Counter()
     with _Writer(args.output) as out:
         for row in answers.iter_rows():      # rows stream through; the dataset never sits in one process
-            replica = row.pop("replica")
+            replica, row_tokens = row.pop("replica"), len(row["token_ids"] or [])
             per_replica[replica] += 1
             busy[replica] += row.pop("engine_seconds")
-            replica_tokens[replica] += len(row["token_ids"] or [])
+            replica_tokens[replica] += row_tokens
             out.write(row)
             rows += 1
-            tokens += len(row["token_ids"] or [])
+            tokens += row_tokens
             if rows % 100 == 0:
                 elapsed = time.perf_counter() - start
                 print(f"{rows} rows, {rows / elapsed:.1f} rows/s, {tokens / elapsed:.0f} tok/s", flush=True)

@@ -51,16 +51,16 @@ def _store_kvcache_kernel(
         mask = offs < NUM_HEADS * HEAD_DIM
         page = slot // PAGE
         within = slot % PAGE
-        k = tl.load(key_ptr + token * stride_kt + head * stride_kh + dim * stride_kd, mask=mask)
-        v = tl.load(value_ptr + token * stride_vt + head * stride_vh + dim * stride_vd, mask=mask)
+        k_src = key_ptr + token * stride_kt + head * stride_kh + dim * stride_kd
+        v_src = value_ptr + token * stride_vt + head * stride_vh + dim * stride_vd
+        k = tl.load(k_src, mask=mask)
+        v = tl.load(v_src, mask=mask)
         k_dst = k_cache_ptr + page * stride_kcb + within * stride_kct + head * stride_kch + dim * stride_kcd
         v_dst = v_cache_ptr + page * stride_vcb + within * stride_vct + head * stride_vch + dim * stride_vcd
         if FP8:                        # the caches come as uint8 views
             k_bits, v_bits = e4m3_bits(k.to(tl.float32)), e4m3_bits(v.to(tl.float32))
             tl.store(k_dst, k_bits, mask=mask)
             tl.store(v_dst, v_bits, mask=mask)
-            k_src = key_ptr + token * stride_kt + head * stride_kh + dim * stride_kd
-            v_src = value_ptr + token * stride_vt + head * stride_vh + dim * stride_vd
             tl.store(k_src, k_bits.to(tl.float8e4nv, bitcast=True).to(k.dtype), mask=mask)
             tl.store(v_src, v_bits.to(tl.float8e4nv, bitcast=True).to(v.dtype), mask=mask)
         else:
