@@ -1,4 +1,5 @@
+from nanovllm.async_llm import AsyncLLM
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["AsyncLLM", "LLM", "SamplingParams"]

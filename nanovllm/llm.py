@@ -33,6 +33,29 @@ def _conversations(messages) -> list[list[dict]]:
     return conversations
 
 
+def render_chat(tokenizer, model: str, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """One conversation's prompt token ids, through the tokenizer's chat template (model: for the error)."""
+    [conversation] = _conversations([messages])
+    return _render(tokenizer, model, conversation, add_generation_prompt)
+
+
+def _render(tokenizer, model: str, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model} has no chat template; use generate() with plain prompts")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)     # the template holds any BOS
+
+
+def default_sampling_params(model: str) -> SamplingParams:
+    """SamplingParams() with the checkpoint's generation_config.json values (if any) for temperature,
+    top_p, top_k, min_p and repetition_penalty, as vLLM does."""
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        return SamplingParams()
+    config = json.loads(path.read_text())
+    return SamplingParams(**{key: config[key] for key in GENERATION_CONFIG_KEYS if config.get(key) is not None})
+
+
 class LLM(LLMEngine):
     """The public face: `LLM(model_dir, **config).generate(prompts, sampling_params)`, or `.chat(messages)`."""
 
@@ -45,28 +68,14 @@ class LLM(LLMEngine):
         conversations = _conversations(messages)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        prompts = [self._render(c, add_generation_prompt) for c in conversations]
+        prompts = [_render(self.tokenizer, self.config.model, c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """One conversation's prompt token ids, as chat() would generate from them."""
-        [conversation] = _conversations([messages])
-        return self._render(conversation, add_generation_prompt)
-
-    def _render(self, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.config.model} has no chat template; "
-                             f"use generate() with plain prompts")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)   # the template holds any BOS
+        return render_chat(self.tokenizer, self.config.model, messages, add_generation_prompt)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json values (if any) for temperature,
         top_p, top_k, min_p and repetition_penalty, as vLLM does."""
-        path = Path(self.config.model) / "generation_config.json"
-        if not path.is_file():
-            return SamplingParams()
-        config = json.loads(path.read_text())
-        return SamplingParams(**{key: config[key] for key in GENERATION_CONFIG_KEYS
-                                 if config.get(key) is not None})
+        return default_sampling_params(self.config.model)

@@ -23,6 +23,7 @@ class LLMEngine:
         self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
         self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
+        self.last_collected: list[Sequence] = []    # the sequences whose sampled tokens the last step collected
         config = Config(model, **kwargs)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -146,6 +147,7 @@ class LLMEngine:
         elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         previous, self._in_flight = self._in_flight, launched
+        self.last_collected = []
         if previous is None:
             return [], num_tokens
         awaiting, sampled = previous
@@ -156,7 +158,18 @@ class LLMEngine:
             self.output_processor.record_logprobs(awaiting, token_ids, logprobs)
         finished = self.scheduler.postprocess(awaiting, token_ids, self.output_processor.stop_check)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)
+        self.last_collected = [seq for seq in awaiting if seq is not None]
         return finished, num_tokens
+
+    def abort_request(self, first_seq_id: int) -> list:
+        """Drop every sequence of the request whose first sequence is first_seq_id, wherever it is, and
+        free its blocks now (between steps: a step in flight skips what is finished). Returns them."""
+        scheduler = self.scheduler
+        seqs = [seq for queue in (scheduler.waiting, scheduler.running, scheduler.finishing) for seq in queue
+                if seq.parent_id == first_seq_id]
+        dropped = scheduler.abort(seqs)
+        self._ended_seq_ids.extend(seq.seq_id for seq in dropped)
+        return dropped
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None

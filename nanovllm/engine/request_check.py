@@ -1,0 +1,54 @@
+"""What the engine refuses, in one place: LLMEngine checks a request before it touches any state, and
+AsyncLLM checks it in the server's process before sending it to the engine's (so a bad request is a 400
+before any stream starts)."""
+from dataclasses import dataclass
+
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the vocabulary, the context and the KV cache's size."""
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+    """A prompt (text, or token ids) as checked token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is an empty string")
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError("a token-id prompt must be a list of ints")
+        token_ids = list(prompt)
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    else:
+        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise ValueError("prompt has no tokens")
+    return token_ids
+
+
+def check_request(token_ids: list[int], sampling_params: SamplingParams, limits: RequestLimits) -> None:
+    """Raise ValueError/TypeError, naming the problem, for a request that could never run. n completions
+    that do not fit at once are not refused: they start as room frees up."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    max_len = limits.max_model_len
+    if len(token_ids) >= max_len:
+        raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room to generate within "
+                         f"max_model_len={max_len}")
+    bad = [t for t in sampling_params.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
+    longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
+    if (longest + limits.block_size - 1) // limits.block_size > limits.num_blocks:
+        raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
+                         f"{limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or "
+                         f"give the cache more blocks")
