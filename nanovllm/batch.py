@@ -20,6 +20,7 @@ from typing import Any
 
 from nanovllm.config import Config
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 
@@ -147,26 +148,6 @@ def _read(path: Path, batch_size: int):
     return ray.data.read_json(str(path), lines=True, override_num_blocks=blocks, **extensions)
 
 
-def _value(text: str):
-    """A command-line value: JSON where it parses (numbers, lists, true/null), else the string itself."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _add_dataclass_options(parser: argparse.ArgumentParser, cls, title: str, skip: tuple = ()) -> list[str]:
-    group = parser.add_argument_group(title)
-    names = []
-    for field in dataclasses.fields(cls):
-        if not field.init or field.name in skip:
-            continue
-        group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=_value,
-                           metavar="VALUE", help=f"(default {field.default!r})")
-        names.append(field.name)
-    return names
-
-
 class _Writer:
     """OUT.jsonl: one JSON object a line ({"id", "error"} for an error row); else a directory that gets
     one Parquet file, written in row groups as the rows come."""
@@ -215,7 +196,9 @@ class _Writer:
                 self.parquet.close()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, dict]:
+    """The command line -> (args, the SamplingParams given, the LLM arguments given): options not
+    given are left out, so the dataclasses' own defaults hold. Bad values end in argparse's error."""
     parser = argparse.ArgumentParser(prog="python -m nanovllm.batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
@@ -224,18 +207,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--ray-address", help="a running cluster (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--batch-size", type=int, default=256, help="rows per call to a replica")
-    sampling = _add_dataclass_options(parser, SamplingParams, "sampling (any SamplingParams field; values as JSON where they parse)")
-    engine = _add_dataclass_options(parser, Config, "engine (any LLM argument)", skip=("model",))
+    add_dataclass_options(parser, SamplingParams, "sampling (any SamplingParams field)")
+    add_dataclass_options(parser, Config, "engine (any LLM argument)", skip=("model",))
     args = parser.parse_args(argv)
     if args.replicas < 1 or args.batch_size < 1:
         parser.error("--replicas and --batch-size must be >= 1")
-    sampling_params = {k: getattr(args, k) for k in sampling if getattr(args, k) is not None}
-    llm_kwargs = {k: getattr(args, k) for k in engine if getattr(args, k) is not None}
+    sampling_params = dataclass_kwargs(args, SamplingParams)
+    llm_kwargs = dataclass_kwargs(args, Config, skip=("model",))
     try:
         SamplingParams(**sampling_params)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    return args, sampling_params, llm_kwargs
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args, sampling_params, llm_kwargs = parse_args(argv)
     import ray
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:

@@ -112,7 +112,7 @@ def test_the_command_line_writes_one_jsonl_row_per_input_row(model, expected, tm
     result = subprocess.run([sys.executable, "-m", "nanovllm.batch", model, "--input", str(source),
                              "--output", str(target), "--replicas", "2", "--batch-size", "2",
                              "--temperature", "0", "--max-tokens", "6", "--device", "cpu",
-                             "--max-model-len", "256", "--enforce-eager", "true"],
+                             "--max-model-len", "256", "--enforce-eager"],
                             capture_output=True, text=True, timeout=400, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in target.read_text().splitlines()]
@@ -156,3 +156,44 @@ def test_a_parquet_output_keeps_its_column_types_whatever_rows_come_first(tmp_pa
         for row in rows:
             out.write(dict(row))
     assert pq.read_table(tmp_path / "out").to_pylist() == rows
+
+
+# ---- the command line's options (parsed only: no Ray, no model) -------------------------------------
+BASE = ["MODEL", "--input", "in.jsonl", "--output", "out.jsonl"]
+
+
+def test_boolean_options_are_bare_flags():
+    _, sampling, engine = batch.parse_args(BASE + ["--ignore-eos", "--no-skip-special-tokens", "--enforce-eager",
+                                                   "--no-enable-prefix-caching", "--include-stop-str-in-output",
+                                                   "--disable-custom-all-reduce"])
+    assert sampling == {"ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    assert engine == {"enforce_eager": True, "enable_prefix_caching": False, "disable_custom_all_reduce": True}
+    _, sampling, engine = batch.parse_args(BASE + ["--skip-special-tokens", "--no-ignore-eos"])
+    assert sampling == {"skip_special_tokens": True, "ignore_eos": False} and engine == {}
+
+
+def test_only_the_options_given_are_passed_on_typed():
+    args, sampling, engine = batch.parse_args(BASE + ["--temperature", "0", "--max-tokens", "6", "--stop", "\n",
+                                                      "--stop-token-ids", "[2, 3]", "--dtype", "bfloat16",
+                                                      "--gpu-memory-utilization", "0.5", "--replicas", "2"])
+    assert sampling == {"temperature": 0.0, "max_tokens": 6, "stop": "\n", "stop_token_ids": [2, 3]}
+    assert engine == {"dtype": "bfloat16", "gpu_memory_utilization": 0.5}
+    assert (args.model, args.replicas, args.batch_size) == ("MODEL", 2, 256)
+    assert batch.parse_args(BASE + ["--stop", '["a", "b"]'])[1] == {"stop": ["a", "b"]}
+
+
+def test_help_shows_boolean_options_as_flags(capsys):
+    with pytest.raises(SystemExit):
+        batch.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())       # help wraps lines where it likes
+    assert "--ignore-eos, --no-ignore-eos" in text and "[--ignore-eos | --no-ignore-eos]" in text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching (default: True)" in text
+    assert "--max-model-len INT" in text and "--ignore-eos VALUE" not in text
+
+
+@pytest.mark.parametrize("extra", [["--max-tokens", "six"], ["--temperature", "hot"], ["--ignore-eos", "true"],
+                                   ["--max-tokens", "0"], ["--no-such-option"]])
+def test_a_bad_option_is_argparses_error(extra, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        batch.parse_args(BASE + extra)
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
