@@ -42,6 +42,11 @@ class Attention(nn.Module):
         if context.is_prefill:
             if context.block_tables is not None:    # part of a prompt is cached: read K/V through pages
                 k, v = k_cache, v_cache
+            elif k_cache.dtype != k.dtype and k_cache.dtype == torch.float8_e4m3fn:
+                # the fresh K/V hold the fp8 values (store_kvcache rounded them in place): hand them over
+                # as fp8, so this prompt's attention runs the arithmetic a later read of its cached
+                # blocks will (float16 dots for bf16 queries), and outputs do not depend on cache hits
+                k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
             return ops.flash_attn_varlen_func(q, k, v, cu_seqlens_q=context.cu_seqlens_q,
                                               cu_seqlens_k=context.cu_seqlens_k,
                                               max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,

@@ -58,3 +58,21 @@ def test_fp8_cache_tracks_the_bf16_cache(make_checkpoint, shape):
     assert kl <= MAX_MEAN_KL[shape] and same >= 0.99 and decided > 0.05    # random weights: flat distributions
     assert blocks["fp8"] >= 1.9 * blocks["auto"]
     assert again < 1e-3           # the cached prefix reads the very values the fresh prefill attended
+
+
+def test_fp8_outputs_do_not_depend_on_prefix_cache_hits(make_checkpoint):
+    """The issue's case: a random Llama (GQA 4, head_dim 64, 12 layers, bf16), 48 prompts of 10-700
+    tokens, 64 greedy tokens, generated twice in one fp8 engine: the second run hits the prefix cache and
+    must pick the very same tokens (random weights are chaotic: any arithmetic difference shows)."""
+    shape = dict(LLAMA_1B, num_hidden_layers=12, hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000)
+    model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **shape)
+    prompts = [[t % 32000 for t in p] for p in random_prompts(48, seed=5, lengths=(10, 700))]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    with LLM(str(model_dir), max_model_len=1024, gpu_memory_utilization=0.5, kv_cache_dtype="fp8") as llm:
+        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        second = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        hits = llm.stats["num_prefix_cache_hit_tokens"]
+    same = sum(a == b for a, b in zip(first, second))
+    print(f"fp8 cache, the same 48 prompts twice: {same}/48 identical, {hits} prompt tokens from the prefix cache")
+    assert hits > 0 and same == len(prompts)
