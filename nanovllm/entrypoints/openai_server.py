@@ -1,0 +1,96 @@
+"""The OpenAI-compatible HTTP server as a FastAPI app over one AsyncLLM:
+
+    POST /v1/completions, /v1/chat/completions (streamed as server-sent events with "stream": true)
+    GET  /v1/models, /health, /metrics (Prometheus)
+    POST /tokenize, /detokenize (vLLM's)
+
+With an API key, every /v1 path wants `Authorization: Bearer KEY` (the others stay open, as in vLLM).
+`build_app` only builds the app; `nanovllm serve` (serve.py) runs it."""
+import hmac
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from nanovllm.entrypoints.chat_completions import create_chat_completion
+from nanovllm.entrypoints.completions import create_completion
+from nanovllm.entrypoints.errors import APIError, install_error_handlers
+from nanovllm.entrypoints.metrics import CONTENT_TYPE, render_metrics
+from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from nanovllm.entrypoints.serving import Serving, now
+from nanovllm.entrypoints.streams import unless_disconnected
+
+
+def _api_key_check(api_key: str | None):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):    # in constant time: no guessing it byte by byte
+            raise APIError("missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                           status=401, code="invalid_api_key")
+    return check
+
+
+def build_app(engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app over `engine` (an AsyncLLM), answering to the model name `served_model_name`.
+    `app.state.end_requests()` aborts every request in flight (a shutting-down server calls it)."""
+    serving = Serving(engine, served_model_name)
+    app = FastAPI(title="nanovllm", summary="an OpenAI-compatible server over nanovllm.AsyncLLM")
+    app.state.end_requests = serving.in_flight.abort_all
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    created = now()
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, created=created, root=str(engine.model),
+                                         max_model_len=engine.max_model_len)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await unless_disconnected(request, create_completion(serving, body))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await unless_disconnected(request, create_chat_completion(serving, body))
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not getattr(engine, "is_running", True):
+            raise APIError("the engine has stopped", status=503, type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(engine.stats(), served_model_name), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        try:
+            if body.messages is not None:
+                conversation = [message.as_dict() for message in body.messages]
+                tokens = engine.chat_prompt(conversation, body.add_generation_prompt)
+            else:
+                tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except (ValueError, TypeError) as error:
+            raise APIError(str(error)) from None
+        strs = engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        vocab_size = len(engine.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    return app

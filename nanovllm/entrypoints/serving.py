@@ -1,0 +1,90 @@
+"""What the endpoints share: the engine, the served model's name, the engine requests in flight; a
+request's prompts checked by the engine (a refusal is a 400, before anything runs), then started
+together, their outputs merged as they come."""
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from nanovllm.entrypoints.errors import APIError
+from nanovllm.entrypoints.protocol import ErrorResponse
+from nanovllm.entrypoints.streams import InFlight, merge, sse
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class Job:
+    """One prompt of a request, as the engine will run it."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Serving:
+    engine: object                  # nanovllm.AsyncLLM, or anything with its interface
+    model_name: str
+    in_flight: InFlight = field(init=False)
+
+    def __post_init__(self):
+        self.in_flight = InFlight(self.engine)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           status=404, type="invalid_request_error", param="model", code="model_not_found")
+
+    def job(self, prompt: str | list[int], make_params: Callable[[int], SamplingParams],
+            max_tokens: int | None) -> Job:
+        """Check one prompt with the engine. max_tokens None: whatever room max_model_len leaves, which
+        needs the prompt's length first (learned from a check with the smallest request)."""
+        try:
+            if max_tokens is None:
+                token_ids = self.engine.check_request(prompt, make_params(1))
+                prompt, max_tokens = token_ids, self.engine.max_model_len - len(token_ids)
+            params = make_params(max_tokens)
+            return Job(self.engine.check_request(prompt, params), params)
+        except (ValueError, TypeError) as error:
+            raise APIError(str(error)) from None
+
+    def run(self, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
+        """(job index, engine output) as they come, every job running at once."""
+        return merge([self.in_flight.track(f"{request_id}-{i}", self.engine.generate(
+            job.prompt_token_ids, job.params, f"{request_id}-{i}")) for i, job in enumerate(jobs)])
+
+    async def start(self, request_id: str, jobs: list[Job]) -> tuple[object, AsyncIterator]:
+        """Start the jobs and wait for the first output, so that a request the engine refuses after all
+        is still a 400 before a stream begins. Returns (the first (index, output), the rest)."""
+        outputs = self.run(request_id, jobs)
+        try:
+            first = await anext(outputs)
+        except (ValueError, TypeError) as error:
+            await outputs.aclose()
+            raise APIError(str(error)) from None
+        return first, outputs
+
+
+async def outputs_of(first: tuple[int, object], rest: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
+    """The first output and the rest as one iteration, which closes the rest however it ends."""
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
+def stream_error(error: Exception) -> str:
+    """An error after a stream began can only be told in the stream: one event in OpenAI's shape (vLLM's
+    way), before [DONE]."""
+    if isinstance(error, (ValueError, TypeError)):
+        error = APIError(str(error))
+    elif not isinstance(error, APIError):
+        error = APIError(f"{type(error).__name__}: {error}", status=500, type="server_error")
+    return sse(ErrorResponse(error=error.info()).model_dump_json())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

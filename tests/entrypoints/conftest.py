@@ -1,0 +1,249 @@
+"""Fixtures of the entrypoint tests: a fake engine with AsyncLLM's interface (for the app's unit tests,
+no model needed), and a real `nanovllm serve` subprocess on the tiny checkpoint (started once per module)."""
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nanovllm.sampling_params import SamplingParams
+
+SERVER_START_TIMEOUT = 120.0
+SERVER_ENGINE_ARGS = ["--device", "cpu", "--enforce-eager", "--max-model-len", "512",
+                      "--kvcache-block-size", "16", "--num-kvcache-blocks", "512"]
+
+
+# ---- a fake engine ------------------------------------------------------------------------------------
+@dataclass
+class FakeDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    deltas: list[FakeDelta]
+    finished: bool
+    prompt_logprobs: list | None = None
+    output: dict | None = None
+
+
+class FakeEngine:
+    """AsyncLLM's interface over a byte-level tokenizer: completion j of a prompt spells
+    f"{j}: the quick brown fox ..." one byte-token per output; log-probs are made up (the chosen token
+    -0.5, then -1.5, -2.5, ... for the next ids). A prompt containing "refuse-later" is refused by
+    generate() although check_request() passes it. Every request's end is recorded in `ended`."""
+    TEXT = ": the quick brown fox jumps over the lazy dog. "
+
+    def __init__(self, delay: float = 0.0, max_model_len: int = 64):
+        from nanovllm.utils.random_checkpoint import byte_level_tokenizer
+        self.tokenizer = byte_level_tokenizer(512)
+        self.model = "/models/fake"
+        self.max_model_len = max_model_len
+        self.delay = delay
+        self.defaults = SamplingParams(temperature=0.7, top_p=0.9)
+        self.requests: dict[str, SamplingParams] = {}     # every request generate() took, with its params
+        self.ended: dict[str, str] = {}                   # request id -> "finished" | "aborted" | "closed"
+        self._abort: set[str] = set()
+        self.is_running = True
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.defaults
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text)
+
+    def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt has no tokens")
+        if any(not 0 <= t < 512 for t in ids):
+            raise ValueError("token id outside the vocabulary [0, 512)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        return ids
+
+    def _logprobs(self, token_id: int, k: int) -> dict[int, float]:
+        entry = {(token_id + 1 + i) % 512: -1.5 - i for i in range(k)}
+        entry[token_id] = -0.5
+        return entry
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        ids = self.check_request(prompt, params)
+        if "refuse-later" in self.tokenizer.decode(ids):
+            raise ValueError("refused by the engine")
+        self.requests[request_id] = params
+        texts = [f"{j}{self.TEXT}" * 4 for j in range(params.n)]
+        done = [False] * params.n
+        made: list[list[int]] = [[] for _ in range(params.n)]
+        prompt_logprobs = None
+        if getattr(params, "prompt_logprobs", None) is not None:
+            prompt_logprobs = [None] + [self._logprobs(t, params.prompt_logprobs) for t in ids[1:]]
+        finals: list[dict] = [{} for _ in range(params.n)]
+        try:
+            step = 0
+            while not all(done):
+                await asyncio.sleep(self.delay)
+                deltas = []
+                for j in range(params.n):
+                    if done[j]:
+                        continue
+                    if request_id in self._abort:
+                        done[j] = True
+                        deltas.append(FakeDelta(j, [], "", None, "abort"))
+                        finals[j] = dict(finish_reason="abort", stop_reason=None)
+                        continue
+                    token = self.tokenizer.encode(texts[j][step])[0]
+                    made[j].append(token)
+                    text = self.tokenizer.decode(made[j])
+                    finish = stop_reason = None
+                    hit = [s for s in params.stop if s in text]
+                    if hit:
+                        finish, stop_reason = "stop", hit[0]
+                    elif len(made[j]) == params.max_tokens:
+                        finish = "length"
+                    logprobs = [self._logprobs(token, params.logprobs)] if params.logprobs is not None else None
+                    piece = texts[j][step] if not hit else ""
+                    deltas.append(FakeDelta(j, [token], piece, logprobs, finish, stop_reason))
+                    if finish:
+                        done[j] = True
+                        full = text[:text.index(hit[0])] if hit else text
+                        finals[j] = dict(text=full, finish_reason=finish, stop_reason=stop_reason)
+                step += 1
+                finished = all(done)
+                output = None
+                if finished:
+                    outputs = [{"text": finals[j].get("text", self.tokenizer.decode(made[j])), "token_ids": made[j],
+                                "finish_reason": finals[j]["finish_reason"], "stop_reason": finals[j]["stop_reason"],
+                                "logprobs": [self._logprobs(t, params.logprobs) for t in made[j]]
+                                if params.logprobs is not None else None, "cumulative_logprob": None}
+                               for j in range(params.n)]
+                    output = {**outputs[0], "prompt_token_ids": ids, "prompt_logprobs": prompt_logprobs,
+                              "outputs": outputs}
+                yield FakeOutput(request_id, ids, deltas, finished, prompt_logprobs if step == 1 else None, output)
+            self.ended[request_id] = "aborted" if request_id in self._abort else "finished"
+        finally:
+            self.ended.setdefault(request_id, "closed")
+
+    async def abort(self, request_id: str) -> None:
+        self._abort.add(request_id)
+
+    def stats(self) -> dict:
+        histogram = {"buckets": [0.01, 0.1, 1.0], "counts": [1, 2, 3], "sum": 1.5, "count": 4}
+        return {"num_running": 1, "num_waiting": 2, "num_used_blocks": 3, "num_kvcache_blocks": 12,
+                "prefix_cache_hit_rate": 0.25, "num_preemptions": 0, "prompt_tokens_total": 100,
+                "generation_tokens_total": 50, "requests_finished_total": 7,
+                "histograms": {"time_to_first_token_seconds": histogram, "inter_token_latency_seconds": histogram,
+                               "e2e_request_latency_seconds": histogram}}
+
+    def shutdown(self) -> None:
+        self.is_running = False
+
+
+@pytest.fixture
+def fake_engine():
+    return FakeEngine()
+
+
+# ---- a real server ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> set[int]:
+    """pid's descendants now (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Server:
+    """`python -m nanovllm.serve MODEL --port P ...` as a subprocess; its output goes to a log file."""
+
+    def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        args = [sys.executable, "-m", "nanovllm.serve", str(model), "--port", str(self.port), *extra_args]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        import httpx
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not start within {SERVER_START_TIMEOUT} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    server.stop()
