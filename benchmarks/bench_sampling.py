@@ -6,10 +6,13 @@ Runs every setting a request can ask for (temperature alone, greedy, Qwen3's fil
 penalties, seeds, n) in turn, `--repeats` times, and prints one line per run and a table: each setting's
 throughput relative to temperature alone, and its first run against its second (a first run that pays
 for compilation the engine's warm-up missed shows as < 1; the goal is >= 0.97). Every Triton
-compilation during a run is counted and named, so a stall points at its kernel.
+compilation during a run is counted and named, so a stall points at its kernel. Each run draws fresh
+token ids (same lengths), so no run finds another's prompts in the prefix cache.
 """
 import argparse
+import dataclasses
 import json
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -48,6 +51,12 @@ class CompileLog:
         return names
 
 
+def fresh_prompts(workload: bench.Workload, seed: int) -> bench.Workload:
+    """The same lengths with other token ids (uniform in [0, 10000), as bench.py draws them)."""
+    rng = random.Random(seed)
+    return dataclasses.replace(workload, prompts=[[rng.randrange(10000) for _ in p] for p in workload.prompts])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
@@ -61,9 +70,10 @@ def main() -> None:
     print(json.dumps(dict(compiled_at_start=sum(log.take().values()))))
     results = {name: [] for name in configs}
     try:
-        for _ in range(own.repeats):
-            for name, options in configs.items():
-                result = bench.run_workload(llm, workload, options, desc=name)
+        for repeat in range(own.repeats):
+            for i, (name, options) in enumerate(configs.items()):
+                run = fresh_prompts(workload, 1000 * repeat + i)
+                result = bench.run_workload(llm, run, options, desc=name)
                 tokens = sum(workload.max_tokens) * options.get("n", 1)
                 assert result["generated"] == tokens
                 results[name].append(tokens / result["time_s"])
