@@ -8,8 +8,10 @@ position it samples, or a per-step random one), so a seeded row draws the same t
 in whatever batch.
 
 `candidates` finds, in one pass, each row's K largest logits with their ids (top-k, top-p and
-log-probs need no more) and the softmax normalizers; `top_p_thresholds` is the exact fallback for a
-row whose top-p boundary lies beyond its candidates: a bisection over the float order, one pass a step.
+log-probs need no more) and the softmax normalizers; `exact_thresholds` is the exact fallback for a
+row whose top-k or top-p boundary lies beyond its candidates: a bisection over the float order, one
+pass a step. A flat or tied row can overflow its candidate buffer (a partial set): its log-probs' top k
+then come from the row itself (`_exact_top`, one pass a place), chosen on the device by the row's count.
 
 Grids are (rows, chunks of the vocabulary): a few hundred rows would leave most SMs idle with one
 program per row, so each program scans one chunk and a tiny torch reduction merges the chunks.
@@ -185,7 +187,8 @@ def unpack_candidates(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """(values float32, token ids int64) from the packed int64 keys."""
     key = (packed >> 32).to(torch.int32)
     bits = key ^ ((key >> 31) & 0x7FFFFFFF)
-    return bits.view(torch.float32), 2147483647 - (packed & 0xFFFFFFFF)
+    values = bits.view(torch.float32).masked_fill(packed == MIN_INT64, float("-inf"))   # a pad's bits are a NaN's
+    return values, 2147483647 - (packed & 0xFFFFFFFF)
 
 
 def _chunk_size(vocab_size: int) -> int:
@@ -222,13 +225,58 @@ def gather_candidates(logits: torch.Tensor, temperatures: torch.Tensor, k: int, 
     return stats, floors, counts, packed
 
 
+@triton.jit
+def _exact_top(row_ptr, vocab_size, num_top, ids_ptr, values_ptr, shift, CHUNK: tl.constexpr):
+    """A row's num_top largest logits, largest first, ties lowest id first (the candidates' order):
+    ids, and values - shift. One pass over the row a place, each taking the largest packed (value, id)
+    key below the last one taken. The slow path, for a row whose candidate buffer overflowed."""
+    lanes = tl.arange(0, CHUNK)
+    last = tl.max(tl.full([CHUNK], 9223372036854775807, dtype=tl.int64), 0)    # an int64 scalar for the loop
+    for place in range(num_top):
+        best = tl.full([CHUNK], -9223372036854775808, dtype=tl.int64)
+        for start in range(0, vocab_size, CHUNK):
+            offs = start + lanes
+            inside = offs < vocab_size
+            x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
+            key = (_order_key(x).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+            best = tl.maximum(best, tl.where(inside & (key < last), key, -9223372036854775808))
+        last = tl.max(best, 0)
+        tl.store(ids_ptr + place, (2147483647 - (last & 0xFFFFFFFF)).to(ids_ptr.dtype.element_ty))
+        tl.store(values_ptr + place, _from_order_key((last >> 32).to(tl.int32)) - shift)
+
+
+@triton.jit(do_not_specialize=["k"])
+def _exact_top_kernel(logits_ptr, counts_ptr, values_ptr, ids_ptr, vocab_size, stride_row, k,
+                      CAPACITY: tl.constexpr, CHUNK: tl.constexpr):
+    """For a row whose buffer overflowed (counts > CAPACITY), its sorted candidates become its exact
+    top k, then -inf pads; other rows return at once."""
+    row = tl.program_id(0)
+    if tl.load(counts_ptr + row) > CAPACITY:
+        out = row.to(tl.int64) * CAPACITY
+        _exact_top(logits_ptr + row.to(tl.int64) * stride_row, vocab_size, k, ids_ptr + out, values_ptr + out,
+                   0.0, CHUNK)
+        rest = tl.arange(0, CAPACITY)
+        tl.store(values_ptr + out + rest, float("-inf"), mask=rest >= k)
+        tl.store(ids_ptr + out + rest, 2147483647, mask=rest >= k)
+
+
+def _top_chunk(vocab_size: int) -> int:
+    """_exact_top's tile: 1024 logits (8 int64 keys a thread at 4 warps)."""
+    return min(1024, triton.next_power_of_2(vocab_size))
+
+
 def candidates(logits: torch.Tensor, temperatures: torch.Tensor, k: int, capacity: int = 512):
     """(values, token ids, floors, complete, row max, log(sum(exp(x))), sum(exp((x - max) / T))): each
     row's largest logits, sorted descending (float32; ties: lowest id first; -inf pads), which are every
-    logit >= floors[row], at least k of them, where complete[row]; then whole-row statistics (T = 1 where
-    it is 0). See gather_candidates."""
+    logit >= floors[row], at least k of them, where complete[row]; where not (a flat or tied row
+    overflowed the buffer), the row's exact top k, found in the row itself. Then whole-row statistics
+    (T = 1 where it is 0). See gather_candidates."""
     stats, floors, counts, packed = gather_candidates(logits, temperatures, k, capacity)
     values, token_ids = unpack_candidates(packed.sort(dim=1, descending=True).values)
+    rows, vocab_size = logits.shape
+    if rows:    # no host sync: each program reads its row's count and returns at once where complete
+        _exact_top_kernel[(rows,)](logits, counts, values, token_ids, vocab_size, logits.stride(0), k,
+                                   CAPACITY=capacity, CHUNK=_top_chunk(vocab_size), num_warps=4)
     chunk_max, chunk_sum, chunk_sum_t = stats
     row_max = chunk_max.amax(dim=1, keepdim=True)
     inv_t = 1.0 / torch.where(temperatures == 0, 1.0, temperatures.float()).unsqueeze(1)
@@ -249,14 +297,15 @@ def _candidate_noise(key, ids, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rows", "num_held", "num_top"])
-def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_ptr, top_k_ptr, top_p_ptr,
-                   min_p_ptr, keys_ptr, thresholds_ptr, settled_ptr, tokens_ptr, drawn_ptr,
-                   top_ids_ptr, top_values_ptr, log_z_ptr, num_chunks, rows, num_held, num_top,
-                   CAPACITY: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
-                   LOGPROBS: tl.constexpr, HAS_FILTERS: tl.constexpr):
-    """One program a row, on its gathered candidates: log(Z) and the top num_top (log-probs); the
-    filters' threshold (the rules of layers/logits_processor.thresholds_from_candidates) and whether the
-    candidates settle it; and when every token it keeps is a candidate, the draw itself."""
+def _finish_kernel(logits_ptr, packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_ptr, top_k_ptr,
+                   top_p_ptr, min_p_ptr, keys_ptr, thresholds_ptr, settled_ptr, tokens_ptr, drawn_ptr,
+                   top_ids_ptr, top_values_ptr, log_z_ptr, vocab_size, stride_row, num_chunks, rows, num_held,
+                   num_top, CAPACITY: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                   TOP_CHUNK: tl.constexpr, LOGPROBS: tl.constexpr, HAS_FILTERS: tl.constexpr):
+    """One program a row, on its gathered candidates: log(Z) and the top num_top (log-probs; from the
+    row itself where its buffer overflowed); the filters' threshold (the rules of
+    layers/logits_processor.thresholds_from_candidates) and whether the candidates settle it; and when
+    every token it keeps is a candidate, the draw itself."""
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS)
     plane = rows * num_chunks
@@ -271,17 +320,21 @@ def _finish_kernel(packed_ptr, counts_ptr, floors_ptr, stats_ptr, temperatures_p
     values = tl.where(packed == -9223372036854775808, float("-inf"),
                       _from_order_key((packed >> 32).to(tl.int32)))
     ids = (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
+    complete = tl.load(counts_ptr + row) <= CAPACITY    # else the buffer holds some of the logits >= floor
     if LOGPROBS:
         chunk_sum = tl.load(stats_ptr + plane + row * num_chunks + c, mask=on, other=0.0)
         log_z = m + tl.log(tl.sum(chunk_sum * tl.exp(chunk_max - m), 0))
         tl.store(log_z_ptr + row, log_z)
-        top = idx < num_top
-        tl.store(top_ids_ptr + row * num_top + idx, ids, mask=top)
-        tl.store(top_values_ptr + row * num_top + idx, values - log_z, mask=top)
+        if complete:
+            top = idx < num_top
+            tl.store(top_ids_ptr + row * num_top + idx, ids, mask=top)
+            tl.store(top_values_ptr + row * num_top + idx, values - log_z, mask=top)
+        else:   # the largest may be among those left out: num_top passes over the row find them
+            _exact_top(logits_ptr + row.to(tl.int64) * stride_row, vocab_size, num_top,
+                       top_ids_ptr + row * num_top, top_values_ptr + row * num_top, log_z, TOP_CHUNK)
     if HAS_FILTERS:
         chunk_sum_t = tl.load(stats_ptr + 2 * plane + row * num_chunks + c, mask=on, other=0.0)
         z_t = tl.sum(chunk_sum_t * tl.exp((chunk_max - m) / t), 0)
-        complete = tl.load(counts_ptr + row) <= CAPACITY
         floor = tl.load(floors_ptr + row)
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row)
@@ -341,11 +394,11 @@ def filter_and_draw(logits: torch.Tensor, temperatures: torch.Tensor, keys: torc
     _, block, _ = _grid_sizes(vocab_size, 8192, 1024)      # sample()'s noise layout
     if rows:
         _finish_kernel[(rows,)](
-            packed, counts, floors, stats, temperatures, top_k if has_filters else counts,
+            logits, packed, counts, floors, stats, temperatures, top_k if has_filters else counts,
             top_p if has_filters else dummy, min_p if has_filters else dummy, keys, thresholds, settled,
-            tokens, drawn, top_ids, top_values, log_z, num_chunks, rows, k, max(num_top, 0),
-            CAPACITY=capacity, CHUNKS=triton.next_power_of_2(num_chunks), BLOCK=block,
-            LOGPROBS=num_top >= 0, HAS_FILTERS=has_filters, num_warps=4)
+            tokens, drawn, top_ids, top_values, log_z, vocab_size, logits.stride(0), num_chunks, rows, k,
+            max(num_top, 0), CAPACITY=capacity, CHUNKS=triton.next_power_of_2(num_chunks), BLOCK=block,
+            TOP_CHUNK=_top_chunk(vocab_size), LOGPROBS=num_top >= 0, HAS_FILTERS=has_filters, num_warps=4)
     if has_filters and filter_rows is not None:
         exact_thresholds(logits, filter_rows, temperatures, top_k, top_p, thresholds, settled)
     thresholds = thresholds if has_filters else None

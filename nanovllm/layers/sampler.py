@@ -49,9 +49,10 @@ class Sampler(nn.Module):
     On a GPU nothing sorts the vocabulary and nothing waits for the host: the Triton kernels find each
     row's largest logits and softmax normalizers in two passes, the filters become one threshold a row,
     and a row whose kept tokens are all candidates (top_k, or a peaked top_p) draws among them; the exact
-    bisection settles the rest, and one more pass over the vocabulary draws them. Elsewhere the same
-    thresholds come from a full sort, and the draw is torch's. use_kernels=True takes the kernel
-    path off the GPU too (Triton's interpreter, in tests)."""
+    bisection settles the rest, and one more pass over the vocabulary draws them. Log-probs' top k are
+    exact there too: a flat row that overflows its candidates takes them from the row itself (ties:
+    lowest id first). Elsewhere the same thresholds come from a full sort, and the draw is torch's.
+    use_kernels=True takes the kernel path off the GPU too (Triton's interpreter, in tests)."""
 
     def __init__(self, use_kernels: bool | None = None):
         super().__init__()

@@ -86,6 +86,25 @@ def test_candidates_hold_each_rows_largest_logits_and_its_normalizers(vocab, k):
     torch.testing.assert_close(z_t, torch.exp((logits - row_max.unsqueeze(1)) / t).sum(1))
 
 
+def test_candidates_of_a_row_that_overflows_their_buffer_start_with_its_exact_top_k():
+    """600 logits tie above the floor, the three largest past them: the buffer (512) overflows before
+    the largest come (the interpreter runs programs in order), so the row's top k come from the row
+    itself; the rest are -inf pads. A row whose buffer holds every logit >= its floor is untouched."""
+    torch.manual_seed(10)
+    vocab, k = 640, 5
+    logits = torch.randn(2, vocab, device=DEVICE) * 0.5 - 2.0
+    logits[0, :600] = 2.0
+    logits[0, [610, 620, 630]] = torch.tensor([6.0, 5.0, 6.0], device=DEVICE)
+    values, ids, floors, complete, *_ = candidates(logits, torch.ones(2, device=DEVICE), k)
+    assert complete.tolist() == [False, True]
+    assert ids[0, :k].tolist() == [610, 630, 620, 0, 1] and values[0, :k].tolist() == [6.0, 6.0, 5.0, 2.0, 2.0]
+    assert (values[0, k:] == float("-inf")).all()
+    reference = logits[1].sort(descending=True, stable=True)
+    held = int((logits[1] >= floors[1]).sum())
+    assert torch.equal(values[1, :held], reference.values[:held]) and torch.equal(ids[1, :held], reference.indices[:held])
+    assert (values[1, held:] == float("-inf")).all()       # pads, never NaN
+
+
 def test_exact_thresholds_find_the_top_k_then_top_p_boundary_and_skip_settled_rows():
     torch.manual_seed(9)
     vocab = 500

@@ -174,3 +174,43 @@ def test_repetition_penalty_equals_transformers_and_presence_frequency_the_defin
         for token in set(output[row]):
             expected[token] -= frequency[row] * output[row].count(token) + presence[row]
         torch.testing.assert_close(ours[row].cpu(), expected)
+
+
+def flat_rows(vocab: int = 640) -> torch.Tensor:
+    """Rows where more logits pass the candidates' floor than their buffer holds (512), at a vocabulary
+    the candidate pass splits into 40 chunks: all equal; 600 equal maxima then lower values; and 600
+    equal values then, past them, the three largest (the buffer fills before it reaches them, in the
+    interpreter's program order; on a GPU the atomics' order is anyone's)."""
+    torch.manual_seed(8)
+    logits = torch.randn(3, vocab, device=DEVICE) * 0.5 - 2.0
+    logits[0] = 0.5
+    logits[1, :600] = 4.0
+    logits[2, :600] = 2.0
+    logits[2, [610, 620, 630]] = torch.tensor([6.0, 5.0, 6.0], device=DEVICE)
+    return logits
+
+
+@pytest.mark.parametrize("how", ["plain", "filters", "penalties"])
+def test_logprobs_of_flat_rows_are_a_true_top_k_on_the_kernel_path(how):
+    """Log-probs through the finishing kernel (plain, with filters) and through the candidates alone
+    (a penalty edits the logits first): each listed id's log-prob is the log_softmax's, and they are
+    the k largest; the sampled token's own log-prob comes too."""
+    logits = flat_rows()
+    rows, vocab, k = logits.size(0), logits.size(1), 5
+    extra = dict(max_logprobs=k)
+    if how == "penalties":
+        extra["penalties"] = Penalties(rows=torch.tensor([1], device=DEVICE),
+                                       prompt_mask=torch.ones(1, vocab, dtype=torch.bool, device=DEVICE),
+                                       output_counts=torch.zeros(1, vocab, dtype=torch.int32, device=DEVICE),
+                                       repetition=torch.tensor([1.5], device=DEVICE),
+                                       frequency=torch.zeros(1, device=DEVICE), presence=torch.zeros(1, device=DEVICE))
+    t = tensors_for(rows, temperature=0.8, top_k=40 if how == "filters" else 0, **extra)
+    out = Sampler(True)(logits, t)
+    reference = torch.log_softmax(logits.float(), -1)
+    top = reference.topk(k, dim=1).values
+    torch.testing.assert_close(out.top_logprobs, top, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reference.gather(1, out.top_token_ids), top, atol=1e-5, rtol=0)
+    # distinct ids, ties lowest id first (as everywhere in the sampler)
+    assert out.top_token_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [610, 630, 620, 0, 1]]
+    torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1),
+                               atol=1e-5, rtol=0)
