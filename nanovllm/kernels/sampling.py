@@ -218,7 +218,9 @@ def gather_candidates(logits: torch.Tensor, temperatures: torch.Tensor, k: int, 
     if rows:
         _row_stats_kernel[(rows, num_chunks)](logits, temperatures.to(torch.float32), stats, vocab_size,
                                               logits.stride(0), num_chunks, rows, CHUNK=chunk, num_warps=4)
-    floors = stats[0].topk(k, dim=1).values[:, -1].contiguous()
+    # a fresh tensor: a one-row view is already "contiguous" at an offset, and a pointer that is not
+    # 16-byte aligned makes Triton compile another variant in the middle of a request (seen on an H100)
+    floors = stats[0].topk(k, dim=1).values[:, -1].clone(memory_format=torch.contiguous_format)
     if rows:
         _gather_kernel[(rows, num_chunks)](logits, floors, counts, packed, vocab_size, logits.stride(0),
                                            CHUNK=chunk, CAPACITY=capacity, num_warps=4)

@@ -1,3 +1,4 @@
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -60,17 +61,21 @@ class Sampler(nn.Module):
 
     def warmup(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile every kernel variant for the model's logits dtype now (filters or not, log-probs or
-        not, the exact search), so that the first request asking for one does not wait for Triton."""
+        not, the exact search, log-probs of logits that penalties or min_tokens edit), so that the first
+        request asking for one does not wait for Triton."""
         logits = torch.randn(2, vocab_size, device=device).to(dtype)
         rows = torch.arange(2, dtype=torch.int32, device=device)
-        for filters in (False, True):
-            for num_top in (None, 1):
-                t = SamplingTensors(temperatures=torch.tensor([1.0, 0.0], device=device),
-                                    keys=torch.arange(2, device=device), max_logprobs=num_top)
-                if filters:     # top_k beyond the candidates: the exact search runs too
-                    t.top_k = torch.tensor([vocab_size, 0], dtype=torch.int32, device=device)
-                    t.top_p, t.min_p, t.filter_rows = torch.tensor([0.5, 1.0], device=device), torch.zeros(2, device=device), rows
-                self(logits, t)
+        for filters, num_top, edits in itertools.product((False, True), (None, 1), (False, True)):
+            if edits and num_top is None:
+                continue            # edits alone take the same kernels as no edits
+            t = SamplingTensors(temperatures=torch.tensor([1.0, 0.0], device=device),
+                                keys=torch.arange(2, device=device), max_logprobs=num_top)
+            if filters:     # top_k beyond the candidates: the exact search runs too
+                t.top_k = torch.tensor([vocab_size, 0], dtype=torch.int32, device=device)
+                t.top_p, t.min_p, t.filter_rows = torch.tensor([0.5, 1.0], device=device), torch.zeros(2, device=device), rows
+            if edits:       # log-probs then come from the raw logits' candidates, apart from the draw
+                t.banned = (rows.long(), torch.zeros(2, dtype=torch.int64, device=device))
+            self(logits, t)
 
     def _on_kernels(self, logits: torch.Tensor) -> bool:
         return logits.is_cuda if self.use_kernels is None else self.use_kernels

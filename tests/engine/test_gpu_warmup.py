@@ -1,0 +1,36 @@
+"""Start-up compiles every kernel variant a request can reach: after LLM(...) returns, requests with any
+sampling setting, batch size, prompt length, prefix-cache hits, n and an fp8 cache compile nothing more
+with Triton (issue 23: the first request with top_p/top_k waited ~2 s for two sampling kernels)."""
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import QWEN3_0_6B
+from teacher_forcing import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SETTINGS = [dict(temperature=0.0), dict(temperature=0.6), dict(temperature=0.6, top_p=0.95, top_k=20),
+            dict(temperature=0.7, min_p=0.05), dict(temperature=0.6, logprobs=5), dict(temperature=0.0, logprobs=0),
+            dict(temperature=0.6, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+            dict(temperature=0.6, repetition_penalty=1.2, logprobs=3), dict(temperature=0.6, seed=7),
+            dict(temperature=0.8, n=3, top_k=50), dict(temperature=0.6, min_tokens=4),
+            dict(temperature=0.6, stop=["a"], top_p=0.9, logprobs=2)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_request_compiles_a_kernel_after_start_up(make_checkpoint, kv_cache_dtype):
+    import triton
+    model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
+    compiled = []
+    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, kv_cache_dtype=kv_cache_dtype) as llm:
+        triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
+        try:
+            prompts = random_prompts(40, seed=11, lengths=(1, 1500))
+            for i, options in enumerate(SETTINGS):
+                for batch in (prompts[i:i + 1], prompts[:3], prompts[:40]):     # lone, small, large batches
+                    llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
+            assert llm.stats["num_prefix_cache_hit_tokens"] > 0     # the paged prefill path ran too
+        finally:
+            triton.knobs.runtime.jit_cache_hook = None
+    assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
