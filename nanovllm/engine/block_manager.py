@@ -89,20 +89,25 @@ class BlockManager:
             self.used_block_ids.add(block_id)
 
     def can_allocate(self, seq: Sequence) -> bool:
+        if seq.block_table:     # holding its prompt's full blocks (share_prompt): only the rest are new
+            return seq.num_blocks - len(seq.block_table) <= len(self.free_block_ids)
         hits = self._cached_prefix(seq)
         num_shared = sum(1 for block_id in hits if block_id in self.used_block_ids)
         return seq.num_blocks - num_shared <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its tokens, reusing cached prefix blocks (num_cached_tokens counts them)."""
-        assert not seq.block_table and not seq.num_pending_tokens
-        hits = self._cached_prefix(seq)
-        for block_id in hits:
-            self._revive_or_share(block_id)
-            seq.block_table.append(block_id)
-        for _ in range(len(hits), seq.num_blocks):
+        """Give seq blocks for all its tokens, reusing cached prefix blocks (num_cached_tokens counts them).
+        A completion that already holds its prompt's leading blocks (share_prompt) gets fresh ones for
+        the rest: the block with the prompt's last token is never a hit anyway."""
+        assert not seq.num_pending_tokens
+        if not seq.block_table:
+            hits = self._cached_prefix(seq)
+            for block_id in hits:
+                self._revive_or_share(block_id)
+                seq.block_table.append(block_id)
+            seq.num_cached_tokens = len(hits) * self.block_size
+        for _ in range(len(seq.block_table), seq.num_blocks):
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
-        seq.num_cached_tokens = len(hits) * self.block_size
 
     def forget_unwritten(self, seq: Sequence) -> None:
         """seq's scheduled step will never run (it was aborted): its blocks registered for that step
@@ -133,8 +138,14 @@ class BlockManager:
 
     def can_fork(self, seq: Sequence, num_children: int) -> bool:
         """Whether num_children completions split off seq can each get a copy of its partial last block."""
-        partial = seq.num_tokens % self.block_size != 0
-        return num_children * partial <= len(self.free_block_ids)
+        return self.num_forkable(seq, num_children) == num_children
+
+    def num_forkable(self, seq: Sequence, wanted: int) -> int:
+        """How many of `wanted` completions can be split off seq now: each needs a free block for its
+        copy of a partial last block; over whole blocks they need none."""
+        if seq.num_tokens % self.block_size == 0:
+            return wanted
+        return min(wanted, len(self.free_block_ids))
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """child shares parent's blocks (one more reference each), but a partial last block, which both
@@ -148,6 +159,18 @@ class BlockManager:
         self.blocks[last].ref_count -= 1
         child.block_table[-1] = self._allocate_block(self.free_block_ids[0]).block_id
         return last, child.block_table[-1]
+
+    def share_prompt(self, source: Sequence, seq: Sequence) -> None:
+        """seq, a completion of source's request that cannot start yet, takes a reference to each of
+        source's blocks that holds prompt tokens only and not the prompt's last token: they stay alive
+        for it (prefix cache or not), and when it starts it computes just the rest of the prompt, whose
+        last token gives its first token's logits."""
+        assert not seq.block_table and len(source.block_table) * self.block_size >= source.num_prompt_tokens
+        num_shared = (source.num_prompt_tokens - 1) // self.block_size
+        seq.block_table = source.block_table[:num_shared]
+        for block_id in seq.block_table:
+            self.blocks[block_id].ref_count += 1
+        seq.num_cached_tokens = num_shared * self.block_size
 
     def hash_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Register seq's full blocks whose KV is computed, or will be by a step already scheduled

@@ -104,9 +104,6 @@ class LLMEngine:
             raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
                              f"{num_blocks} blocks of {block_size} tokens; lower max_tokens or "
                              f"give the cache more blocks")
-        if (len(token_ids) + block_size - 1) // block_size + sampling_params.n - 1 > num_blocks:
-            raise ValueError(f"n={sampling_params.n} completions of a {len(token_ids)}-token prompt can never "
-                             f"start in the KV cache of {num_blocks} blocks of {block_size} tokens")
         return Sequence(token_ids, sampling_params, block_size)
 
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> None:

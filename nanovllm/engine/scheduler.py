@@ -19,6 +19,11 @@ class Scheduler:
     stays at the head of `waiting`, holding its blocks, and goes on next step. When decode runs out of
     blocks, the newest running sequences are preempted: their blocks are freed and they are recomputed
     later (their own freed blocks often come back through the prefix cache).
+
+    A request's n completions start from its prompt's last chunk: as many as have a running slot and
+    a block are split off then; the others wait as one sequence holding the prompt's full blocks, and
+    start in waves as room frees up (`_fork`). Waiting sequences that hold blocks give them back when
+    nothing else could ever move (`_release_waiting_blocks`).
     """
 
     def __init__(self, config: Config, num_kvcache_blocks: int):
@@ -59,16 +64,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
-                    break
-                self.block_manager.allocate(seq)
-                self.num_lookup_tokens += seq.num_tokens
-                self.num_hit_tokens += seq.num_cached_tokens
+            # new, preempted, or a completion holding only its prompt's full blocks; a prompt partly
+            # prefilled holds all of its blocks already
+            if len(seq.block_table) < seq.num_blocks and not self._allocate(seq):
+                break
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             last_chunk = num_new_tokens <= budget
-            if last_chunk and seq.num_forks and not self.block_manager.can_fork(seq, seq.num_forks):
-                break                       # its completions need blocks of their own: wait for some
             seq.num_scheduled_tokens = min(num_new_tokens, budget)
             # prompts scheduled after this one in the same step can already share what it computes
             self.block_manager.hash_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
@@ -84,12 +85,45 @@ class Scheduler:
                 scheduled.extend(self._fork(seq))
         return scheduled
 
+    def _allocate(self, seq: Sequence) -> bool:
+        """Give the head of `waiting` the blocks it lacks. If there are too few and nothing runs that
+        could free some, the blocks other waiting sequences hold are all there is to take."""
+        if not self.block_manager.can_allocate(seq):
+            if self.running or self.finishing or not self._release_waiting_blocks():
+                return False
+            if not self.block_manager.can_allocate(seq):
+                return False
+        fresh = not seq.block_table
+        self.block_manager.allocate(seq)
+        if fresh:                           # a lookup in the prefix cache, not blocks held by reference
+            self.num_lookup_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
+        return True
+
+    def _release_waiting_blocks(self) -> bool:
+        """Waiting sequences that hold blocks (completions holding their prompt's full blocks, a prompt
+        partly prefilled) give them back; they recompute them, or find them in the prefix cache, when
+        they start. Called only when nothing else can move: held blocks must never keep the cache too
+        full for whatever waits, or is alone running, to go on. Returns whether any were held."""
+        holders = [seq for seq in self.waiting if seq.block_table]
+        for seq in holders:
+            self.block_manager.deallocate(seq)
+        return bool(holders)
+
     def _fork(self, seq: Sequence) -> list[Sequence]:
-        """Split a request's other n - 1 completions off its prompt, whose last chunk is scheduled now:
-        they share its blocks (a partial last block is copied once this step has written it) and sample
-        from its logits in this same step."""
+        """Split the request's other completions off seq, whose prompt's last chunk is scheduled now: as
+        many as have a running slot and a block for their copy of a partial last block. They share its
+        blocks (a partial last block is copied once this step has written it) and sample from its logits
+        in this same step.
+
+        The rest wait at the head of `waiting` as one sequence: the next completion, holding the prompt's
+        full blocks by reference (not recomputed, prefix cache or not) and carrying the others. When it
+        starts it computes only the prompt's tail and splits them off in turn, so a request of any n runs
+        in waves, each completion drawing by its own index whatever wave it starts in."""
+        room = self.max_num_seqs - len(self.running)
+        num_children = self.block_manager.num_forkable(seq, min(seq.num_forks, room))
         children = []
-        for index in range(1, seq.num_forks + 1):
+        for index in range(seq.index + 1, seq.index + 1 + num_children):
             child = seq.fork(index)
             child.num_cached_tokens = seq.num_tokens     # computed by the parent in this step
             copy = self.block_manager.fork(seq, child)
@@ -97,7 +131,14 @@ class Scheduler:
                 self.block_copies.append(copy)
             self.running.append(child)
             children.append(child)
+        num_left = seq.num_forks - num_children
         seq.num_forks = 0
+        if num_left:
+            rest = seq.fork(seq.index + num_children + 1)
+            rest.status = SequenceStatus.WAITING
+            rest.num_forks = num_left - 1
+            self.block_manager.share_prompt(seq, rest)
+            self.waiting.appendleft(rest)
         return children
 
     def _schedule_decode(self) -> list[Sequence]:
@@ -107,6 +148,8 @@ class Scheduler:
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
+                elif not scheduled and not self.finishing and self._release_waiting_blocks():
+                    continue                # alone, and only what waits held the blocks it needs
                 else:
                     self.preempt(seq)
                     break
@@ -195,6 +238,7 @@ class Scheduler:
             seq.drop_pending()
             seq.status = SequenceStatus.FINISHED
             seq.num_scheduled_tokens = 0
+            seq.num_forks = 0               # completions not split off yet never start
         self.running.clear()
         self.waiting.clear()
         self.finishing.clear()

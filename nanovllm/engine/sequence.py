@@ -22,7 +22,8 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.index = index               # which of its request's n completions this is
         self.parent_id = self.seq_id if parent_id is None else parent_id    # the request's first sequence
-        self.num_forks = sampling_params.n - 1 if index == 0 else 0   # completions still to split off
+        # completions still to split off this one: indexes index + 1 .. index + num_forks
+        self.num_forks = sampling_params.n - 1 if index == 0 else 0
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = copy(token_ids)
@@ -84,8 +85,8 @@ class Sequence:
 
     def fork(self, index: int) -> "Sequence":
         """Completion `index` of this request: the same tokens so far; it samples its own continuation
-        from the next token on. Its blocks come from BlockManager.fork."""
-        child = Sequence(self.token_ids, self.sampling_params, self.block_size, index, self.seq_id)
+        from the next token on. Its blocks come from BlockManager.fork (or share_prompt)."""
+        child = Sequence(self.token_ids, self.sampling_params, self.block_size, index, self.parent_id)
         child.status = self.status
         child.num_prompt_tokens = self.num_prompt_tokens
         return child

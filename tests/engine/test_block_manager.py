@@ -171,3 +171,45 @@ def test_prefix_caching_off_never_hits():
 def test_num_blocks_matches_token_count(n):
     bm = BlockManager(8, BS)
     assert len(allocated(bm, seq_of(range(n))).block_table) == (n + BS - 1) // BS
+
+
+def test_num_forkable_counts_free_blocks_for_partial_copies_only():
+    bm = BlockManager(5, BS)
+    partial = allocated(bm, seq_of(range(6)))          # 2 blocks, the second partial: 3 free
+    assert bm.num_forkable(partial, 10) == 3 and bm.num_forkable(partial, 2) == 2
+    whole = allocated(bm, seq_of(range(8)))            # 2 whole blocks: forks copy nothing
+    assert bm.num_forkable(whole, 10) == 10
+    assert bm.can_fork(whole, 10) and not bm.can_fork(partial, 2)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prompt_len, num_shared", [(9, 2), (8, 1), (3, 0)])
+def test_share_prompt_holds_the_full_blocks_before_the_last_token(prefix_caching, prompt_len, num_shared):
+    """A completion waiting to start holds the prompt's blocks that do not hold its last token (by
+    reference, so without the prefix cache too) and, once allocated, computes only the rest."""
+    bm = BlockManager(8, BS, prefix_caching)
+    source = computed(bm, allocated(bm, seq_of(range(prompt_len))))
+    shared = source.block_table[:num_shared]
+    waiter = source.fork(1)
+    bm.share_prompt(source, waiter)
+    assert waiter.block_table == shared and waiter.num_cached_tokens == num_shared * BS
+    check_invariants(bm, [source, waiter])
+    bm.deallocate(source)                        # the prompt's full blocks outlive the completion that made them
+    assert bm.num_free_blocks == 8 - num_shared
+    assert bm.can_allocate(waiter)
+    bm.allocate(waiter)
+    assert waiter.block_table[:num_shared] == shared
+    assert len(waiter.block_table) == waiter.num_blocks and waiter.num_cached_tokens == num_shared * BS
+    check_invariants(bm, [waiter])
+    bm.deallocate(waiter)
+    assert bm.num_free_blocks == 8 and not bm.used_block_ids
+
+
+def test_a_waiting_completion_needs_free_blocks_for_its_prompts_tail_only():
+    bm = BlockManager(3, BS)
+    source = computed(bm, allocated(bm, seq_of(range(10))))      # 3 blocks: the pool is full
+    waiter = source.fork(1)
+    bm.share_prompt(source, waiter)
+    assert not bm.can_allocate(waiter)
+    bm.deallocate(source)                                        # the partial third block comes free
+    assert bm.num_free_blocks == 1 and bm.can_allocate(waiter)

@@ -1,5 +1,7 @@
 from types import SimpleNamespace
 
+import pytest
+
 from nanovllm import SamplingParams
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
@@ -15,8 +17,8 @@ def scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_mode
     return Scheduler(config, num_blocks)
 
 
-def seq(n, first=1, **kw):
-    return Sequence(list(range(first, first + n)), SamplingParams(**kw), BS)
+def seq(length, first=1, **kw):
+    return Sequence(list(range(first, first + length)), SamplingParams(**kw), BS)
 
 
 def run_step(s: Scheduler, token=7):
@@ -253,3 +255,79 @@ def test_an_aborted_step_leaves_no_hit_on_blocks_it_never_wrote():
     s.add(c)
     s.schedule()
     assert c.num_cached_tokens == 0
+
+
+# ---- n completions beyond what fits at once ---------------------------------------------------------
+
+def run_to_the_end(s: Scheduler) -> list[Sequence]:
+    """Steps until nothing is left, checking the cache's invariants after each; returns what finished."""
+    from block_invariants import check_invariants
+    finished = []
+    while not s.is_finished():
+        seqs, _, done = run_step(s)
+        assert seqs, "no progress although requests are pending"
+        assert len(s.running) <= s.max_num_seqs
+        finished += done
+        check_invariants(s.block_manager, [*s.waiting, *s.running, *s.finishing])
+    return finished
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_above_max_num_seqs_starts_in_waves_sharing_the_prompts_full_blocks(prefix_caching):
+    s = scheduler(max_num_seqs=4, prefix_caching=prefix_caching)
+    a = seq(6, n=10, max_tokens=2, ignore_eos=True)      # a full block and a tail of 2
+    s.add(a)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and [x.index for x in seqs] == [0, 1, 2, 3] and len(s.running) == 4
+    [rest] = s.waiting                                    # completions 4..9 wait as one sequence
+    assert rest.index == 4 and rest.num_forks == 5 and rest.parent_id == a.seq_id
+    assert rest.block_table == a.block_table[:1] and rest.num_cached_tokens == BS
+    assert s.block_manager.blocks[a.block_table[0]].ref_count == 5
+    s.postprocess(s.launched(seqs), [7] * 4)
+    finished = run_to_the_end(s)
+    assert sorted(x.index for x in finished) == list(range(10))
+    assert all(x.parent_id == a.seq_id and x.completion_token_ids == [7, 7] for x in finished)
+    assert s.num_prefilled_tokens == 6 + 2 + 2           # two more waves, each computing the tail alone
+    assert s.stats()["num_prefix_cache_hit_tokens"] == 0     # shared by reference, not looked up
+    assert s.block_manager.num_free_blocks == 64
+
+
+def test_forks_take_the_free_blocks_there_are_and_the_rest_wait_for_more():
+    s = scheduler(num_blocks=5)
+    a = seq(6, n=8, max_tokens=1)                         # 2 blocks; each fork copies the partial one
+    s.add(a)
+    seqs, _ = s.schedule()
+    assert len(seqs) == 4 and s.block_manager.num_free_blocks == 0
+    assert s.waiting[0].index == 4 and len(s.waiting[0].block_table) == 1
+    s.postprocess(s.launched(seqs), [7] * 4)              # all done at once: max_tokens=1
+    finished = run_to_the_end(s)
+    assert sorted(x.index for x in finished) == list(range(4, 8))
+
+
+def test_a_lone_sequence_takes_the_blocks_a_waiting_completion_holds_instead_of_preempting_itself():
+    """max_num_seqs=1: b runs while a's second completion waits, holding a's 2 full prompt blocks. When b
+    can grow only into those, they are given back (recomputed later), and b is not preempted."""
+    s = scheduler(num_blocks=5, max_num_seqs=1)
+    a, b = seq(9, n=2, max_tokens=1), seq(3, first=50, max_tokens=14, ignore_eos=True)
+    s.add(a)
+    run_step(s)
+    [rest] = s.waiting
+    assert len(rest.block_table) == 2 and s.block_manager.num_free_blocks == 3
+    s.waiting.appendleft(b)                               # ahead of it, as a preempted sequence sits
+    finished = run_to_the_end(s)
+    assert finished[0] is b and len(b.completion_token_ids) == 14 and s.num_preemptions == 0
+    assert finished[1] is rest and rest.completion_token_ids == [7]
+
+
+def test_what_waits_at_the_head_takes_the_blocks_completions_behind_it_hold_when_nothing_runs():
+    s = scheduler(num_blocks=5, max_num_seqs=1)
+    a, b = seq(9, n=2, max_tokens=1), seq(13, first=50, max_tokens=2)   # b needs 4 of the 5 blocks
+    s.add(a)
+    run_step(s)
+    rest = s.waiting[0]
+    s.waiting.appendleft(b)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [b] and not rest.block_table and rest.num_cached_tokens == 0
+    s.postprocess(s.launched(seqs), [7])
+    assert [x.index for x in run_to_the_end(s)] == [0, 1]          # b, then a's second completion
+

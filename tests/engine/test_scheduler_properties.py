@@ -1,6 +1,8 @@
 """Randomized runs of the scheduler and block manager with a fake model, checking the invariants
-of the paged KV cache after every step, and that what each request generates depends on its prompt
-alone: not on when it arrived, on preemption, or on whether steps are pipelined."""
+of the paged KV cache after every step, and that what each completion generates depends on its prompt
+and its index alone: not on when it arrived, on preemption, on the wave its request's n completions
+started it in, or on whether steps are pipelined. Some requests ask for more completions than the
+running set or the cache can hold at once."""
 import random
 from types import SimpleNamespace
 
@@ -15,18 +17,20 @@ EOS = 0
 
 
 def fake_model(seq: Sequence | None) -> int:
-    """The token a deterministic 'model' samples after seq's known tokens (EOS about one time in ten).
-    The oldest placeholder is the one this step's token fills, so every token before it is known."""
+    """The token a deterministic 'model' samples after seq's known tokens for completion seq.index (EOS
+    about one time in ten). The oldest placeholder is the one this step's token fills, so every token
+    before it is known."""
     if seq is None or seq.is_finished:
         return 1                                   # a row nobody reads
     prefix = seq.token_ids[:seq.num_tokens - seq.num_pending_tokens]
     assert PENDING not in prefix
-    return hash(tuple(prefix)) % 10
+    return hash((seq.index, *prefix)) % 10
 
 
-def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, list[int]]]:
+def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[int, list[int]]]]:
     """Requests arrive at random steps; with `pipelined`, each step is scheduled and launched before the
-    previous one's tokens are postprocessed, as the engine does. Returns completions by arrival index."""
+    previous one's tokens are postprocessed, as the engine does. Returns each request's completions by
+    arrival index, then completion index."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(8, 16) * (8 // block_size)    # room for 64 to 128 tokens: preemptions
@@ -38,23 +42,24 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, list[
     for _ in range(60):
         prompt = rng.choice(prefixes) + [rng.randint(1, 9) for _ in range(rng.randint(1, 12))]
         max_tokens = rng.randint(1, 40)
+        n = 1 if rng.random() < 0.8 else rng.choice([2, 3, 9, 40])    # 9 and 40: more than fit at once
         if (min(len(prompt) + max_tokens, 64) + block_size - 1) // block_size <= num_blocks:
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.3)
+            params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=rng.random() < 0.3)
             arrivals.setdefault(rng.randint(0, 300), []).append(Sequence(prompt, params, block_size))
     requests = [seq for step in sorted(arrivals) for seq in arrivals[step]]
 
     s = Scheduler(config, num_blocks)
-    live: list[Sequence] = []
+    finished: dict[int, list[Sequence]] = {seq.seq_id: [] for seq in requests}
     in_flight = None
     step = 0
     while step <= 300 or not s.is_finished() or in_flight is not None:
         for seq in arrivals.get(step, []):
             s.add(seq)
-            live.append(seq)
         step += 1
         seqs, _ = s.schedule()
         launched = s.launched(seqs) if seqs else None
         assert seqs or in_flight is not None or s.is_finished(), "no progress although requests are pending"
+        assert len(s.running) <= config.max_num_seqs
         previous, in_flight = (in_flight, launched) if pipelined else (launched, None)
         if previous is not None:
             for seq in s.postprocess(previous, [fake_model(seq) for seq in previous]):
@@ -62,10 +67,16 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, list[
                 assert seq.num_completion_tokens <= seq.max_tokens and PENDING not in seq.token_ids
                 assert seq.num_completion_tokens == seq.max_tokens or len(seq) == 64 or (
                     not seq.ignore_eos and seq.last_token == EOS)
-                live.remove(seq)
-        check_invariants(s.block_manager, live)
-    assert not live and all(seq.is_finished for seq in requests)
-    return s, {i: seq.completion_token_ids for i, seq in enumerate(requests)}
+                finished[seq.parent_id].append(seq)
+        # every sequence that holds blocks is one the scheduler knows: waiting, running or finishing
+        check_invariants(s.block_manager, [*s.waiting, *s.running, *s.finishing])
+    assert not s.block_manager.used_block_ids and s.block_manager.num_free_blocks == num_blocks
+    outputs = {}
+    for i, request in enumerate(requests):
+        group = finished[request.seq_id]
+        assert sorted(seq.index for seq in group) == list(range(request.sampling_params.n))
+        outputs[i] = {seq.index: seq.completion_token_ids for seq in group}
+    return s, outputs
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -74,4 +85,5 @@ def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_ou
     piped, piped_outputs = run_workload(seed, pipelined=True)
     assert piped_outputs == sync_outputs
     assert len(sync_outputs) >= 40 and sync.num_decoded_tokens > 300
+    assert any(len(completions) > sync.max_num_seqs for completions in sync_outputs.values())
     assert sync.num_preemptions > 0 and piped.num_preemptions > 0

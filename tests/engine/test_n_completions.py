@@ -1,0 +1,156 @@
+"""Requests whose n completions do not all fit at once (issue 23): n in the thousands and n above
+max_num_seqs run, their completions starting in waves as slots and blocks free up, sharing the prompt's
+full blocks; what each completion draws depends on its request's seed and its index alone; the cache
+stays consistent and is all free at the end."""
+import pytest
+import torch
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from nanovllm import LLM, SamplingParams
+from block_invariants import check_invariants
+from oracle import load_hf_model, random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 16
+VOCAB = 512                                              # the tiny checkpoint's
+PROMPT = random_prompts(1, VOCAB, (20, 20), seed=2301)[0]   # a full block and a tail of 4 tokens
+TAIL = len(PROMPT) % BLOCK
+N = 3000
+FILTERS = [dict(top_k=20), dict(top_p=0.3), dict(min_p=0.4)]     # each keeps 10 to 25 tokens here
+
+
+def first_tokens(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(n=N, max_tokens=1, temperature=0.8, ignore_eos=True, **params)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Two threads on two busy cores spin against each other; one is plenty."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def engine(model, **kwargs) -> LLM:
+    return LLM(str(model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_model):
+    """64 running sequences at most, and blocks for two waves of 64."""
+    with engine(tiny_model, num_kvcache_blocks=160, max_num_seqs=64) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def drawn(roomy):
+    """N first tokens under each filter, one seeded request each, all three in one call."""
+    params = [first_tokens(dict(seed=11 + i, **f)) for i, f in enumerate(FILTERS)]
+    return params, roomy.generate([PROMPT] * len(params), params, use_tqdm=False)
+
+
+def assert_idle(llm: LLM) -> None:
+    assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+def kept_probabilities(logits: torch.Tensor, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """transformers' warpers in vLLM's order (min_p, top_k, top_p) on logits / T, renormalized."""
+    scores = logits[None].float() / temperature
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, -1)[0]
+
+
+def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's goodness of fit over the kept tokens: P(chi2(k - 1) >= statistic)."""
+    statistic = ((counts - expected) ** 2 / expected).sum()
+    df = torch.tensor(len(counts) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, statistic.double() / 2))
+
+
+@pytest.fixture(scope="module")
+def next_token_logits(tiny_model) -> torch.Tensor:
+    """transformers' logits for the token after PROMPT."""
+    with torch.inference_mode():
+        return load_hf_model(tiny_model)(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+
+
+@pytest.mark.parametrize("which", range(len(FILTERS)))
+def test_n_3000_first_tokens_follow_the_filtered_distribution(roomy, drawn, next_token_logits, which):
+    params, outputs = drawn
+    tokens = [c["token_ids"] for c in outputs[which]["outputs"]]
+    assert len(tokens) == N and all(len(t) == 1 for t in tokens)
+    probabilities = kept_probabilities(next_token_logits, 0.8, **FILTERS[which])
+    kept = probabilities > 0
+    assert 10 <= int(kept.sum()) <= 25
+    counts = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=VOCAB).double()
+    assert counts[~kept].sum() == 0, "a drawn token outside the kept set"
+    expected = probabilities[kept].double() * N
+    assert expected.min() >= 5                          # chi-square's approximation holds
+    assert chi_square_p_value(counts[kept], expected) > 1e-3
+    assert_idle(roomy)
+
+
+def test_a_seeded_request_of_n_3000_draws_the_same_completions_again(roomy, drawn):
+    """Alone this time: other waves, other batches, the same draws (keys: seed, index, position)."""
+    params, outputs = drawn
+    again = roomy.generate([PROMPT], params[0], use_tqdm=False)[0]
+    assert again["outputs"] == outputs[0]["outputs"]
+    assert len({tuple(c["token_ids"]) for c in again["outputs"]}) > 1
+    assert_idle(roomy)
+
+
+@pytest.fixture(scope="module")
+def cramped(tiny_model):
+    """8 blocks and 4 running sequences: waves of a few, and decode preempts."""
+    with engine(tiny_model, num_kvcache_blocks=8, max_num_seqs=4) as llm:
+        yield llm
+
+
+def test_n_above_max_num_seqs_gives_every_completion_in_order_whatever_its_wave(roomy, cramped, monkeypatch):
+    """n=60 with decode: all at once on the roomy engine, a few at a time through preemption on the
+    cramped one (each completion grows into a third block: 4 of them need 9 blocks); seeded, the two
+    give the same completions in the same order. The cache's invariants hold after every step, and it
+    is all free at the end."""
+    params = SamplingParams(n=60, max_tokens=14, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+    at_once = roomy.generate([PROMPT], params, use_tqdm=False)[0]
+    scheduler, real_step = cramped.scheduler, cramped._step
+    preemptions = scheduler.num_preemptions
+
+    def checked_step():
+        result = real_step()
+        assert len(scheduler.running) <= 4
+        live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
+        check_invariants(scheduler.block_manager, live)
+        return result
+    monkeypatch.setattr(cramped, "_step", checked_step)
+    in_waves = cramped.generate([PROMPT], params, use_tqdm=False)[0]
+    assert scheduler.num_preemptions > preemptions
+    assert len(in_waves["outputs"]) == 60 and len({tuple(c["token_ids"]) for c in in_waves["outputs"]}) > 50
+    assert in_waves == at_once
+    assert_idle(cramped)
+
+
+def test_later_waves_compute_only_the_prompts_tail_without_the_prefix_cache(tiny_model):
+    """The prompt's full block is shared by reference, not found in a cache: every wave after the first
+    prefills the prompt's last partial block alone (once, for all of the wave)."""
+    with engine(tiny_model, num_kvcache_blocks=12, max_num_seqs=64, enable_prefix_caching=False) as llm:
+        llm.add_request(PROMPT, first_tokens(dict(seed=3)))
+        prefills = []
+        num_done = 0
+        while not llm.is_finished():
+            finished, num_tokens = llm.step()
+            num_done += len(finished)
+            if num_tokens > 0:
+                prefills.append(num_tokens)
+        assert num_done == N and llm.stats["num_preemptions"] == 0
+        assert prefills[0] == len(PROMPT) and set(prefills[1:]) == {TAIL}
+        assert len(prefills) > N // 12                      # 12 blocks: waves of 11 at most, not 64
+        assert_idle(llm)
+
