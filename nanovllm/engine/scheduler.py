@@ -1,5 +1,5 @@
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -226,23 +226,46 @@ class Scheduler:
         if seq.block_table:
             self.block_manager.deallocate(seq)
 
+    def abort(self, request_ids: Iterable[int]) -> list[Sequence]:
+        """Drop every sequence of these requests (ids as `parent_id`: all n completions) wherever it is,
+        free its blocks now, and return the dropped sequences; completions not yet split off never
+        start. Call it between steps: a launched step may still hold rows for them, and postprocess
+        skips finished sequences."""
+        request_ids = set(request_ids)
+        dropped = [seq for seq in (*self.running, *self.waiting, *self.finishing)
+                   if seq.parent_id in request_ids]
+        self._drop(dropped)
+        kept_running = [seq for seq in self.running if not seq.is_finished]
+        kept_waiting = [seq for seq in self.waiting if not seq.is_finished]
+        self.running.clear()
+        self.running.extend(kept_running)
+        self.waiting.clear()
+        self.waiting.extend(kept_waiting)
+        self.finishing.difference_update(dropped)
+        return dropped
+
     def abort_all(self) -> list[Sequence]:
         """Drop every request and free its blocks (after a failed step); returns the dropped ones."""
         dropped = [*self.running, *self.waiting, *self.finishing]
-        for seq in dropped:
-            if seq.num_scheduled_tokens:    # scheduled, never launched: what it registered was not written
-                self.block_manager.forget_unwritten(seq)
-        for seq in dropped:
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            seq.drop_pending()
-            seq.status = SequenceStatus.FINISHED
-            seq.num_scheduled_tokens = 0
-            seq.num_forks = 0               # completions not split off yet never start
+        self._drop(dropped)
         self.running.clear()
         self.waiting.clear()
         self.finishing.clear()
         return dropped
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        """Finish seqs as aborted and free their blocks; the caller takes them out of the queues."""
+        for seq in seqs:
+            if seq.num_scheduled_tokens:    # scheduled, never launched: what it registered was not written
+                self.block_manager.forget_unwritten(seq)
+        for seq in seqs:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.drop_pending()
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"     # as vLLM names it
+            seq.num_scheduled_tokens = 0
+            seq.num_forks = 0               # completions not split off yet never start
 
     def stats(self) -> dict:
         return {

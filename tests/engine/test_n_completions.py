@@ -1,7 +1,7 @@
 """Requests whose n completions do not all fit at once (issue 23): n in the thousands and n above
 max_num_seqs run, their completions starting in waves as slots and blocks free up, sharing the prompt's
 full blocks; what each completion draws depends on its request's seed and its index alone; the cache
-stays consistent and is all free at the end."""
+stays consistent and is all free at the end; a request can be aborted wherever its completions are."""
 import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -153,4 +153,23 @@ def test_later_waves_compute_only_the_prompts_tail_without_the_prefix_cache(tiny
         assert prefills[0] == len(PROMPT) and set(prefills[1:]) == {TAIL}
         assert len(prefills) > N // 12                      # 12 blocks: waves of 11 at most, not 64
         assert_idle(llm)
+
+
+def test_abort_a_request_between_steps_while_its_completions_start_in_waves(roomy):
+    """An aborted request's completions stop wherever they are (the step in flight reports none of
+    them), those not yet split off never start, and the other request goes on to its end."""
+    scheduler = roomy.scheduler
+    doomed = roomy.add_request(PROMPT, SamplingParams(n=500, max_tokens=3, seed=1, ignore_eos=True))
+    other = roomy.add_request(PROMPT[:9], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        roomy.step()
+    assert any(seq.parent_id == doomed and seq.num_forks for seq in scheduler.waiting)
+    dropped = scheduler.abort([doomed])
+    assert dropped and all(seq.parent_id == doomed and seq.is_finished for seq in dropped)
+    assert all(seq.parent_id == other for seq in [*scheduler.waiting, *scheduler.running, *scheduler.finishing])
+    finished = []
+    while not roomy.is_finished():
+        finished += roomy.step()[0]
+    assert [seq_id for seq_id, _ in finished] == [other]
+    assert_idle(roomy)
 

@@ -331,3 +331,40 @@ def test_what_waits_at_the_head_takes_the_blocks_completions_behind_it_hold_when
     s.postprocess(s.launched(seqs), [7])
     assert [x.index for x in run_to_the_end(s)] == [0, 1]          # b, then a's second completion
 
+
+# ---- abort --------------------------------------------------------------------------------------------
+
+def test_abort_drops_every_completion_of_a_request_wherever_it_is():
+    """Pipelined, as the engine runs: a's completions are running, finishing (their last token in
+    flight) and waiting to start; aborting a drops them all and frees their blocks at once; the step in
+    flight reports nothing for them; b goes on untouched."""
+    s = scheduler(max_num_seqs=4)
+    a = seq(6, n=9, max_tokens=2, ignore_eos=True)
+    b = seq(3, first=40, max_tokens=3, ignore_eos=True)
+    s.add(a), s.add(b)
+    first = s.launched(s.schedule()[0])                  # a's first wave: 4 rows
+    second_seqs, _ = s.schedule()                        # decode: each of them takes its last token
+    second = s.launched(second_seqs)
+    assert len(s.finishing) == 4 and s.waiting[0].parent_id == a.seq_id and s.waiting[1] is b
+    s.postprocess(first, [7] * 4)
+    dropped = s.abort([a.seq_id])
+    assert sorted(x.index for x in dropped) == [0, 1, 2, 3, 4]     # 4 finishing, and the one holding 5..8
+    assert all(x.is_finished and x.finish_reason == "abort" and not x.block_table for x in dropped)
+    assert not s.finishing and list(s.waiting) == [b] and s.block_manager.num_free_blocks == 64
+    assert s.postprocess(second, [8] * 4) == []
+    finished = run_to_the_end(s)
+    assert finished == [b] and b.completion_token_ids == [7, 7, 7]
+    assert s.abort([a.seq_id]) == []
+
+
+def test_abort_a_request_partly_prefilled_and_one_running():
+    s = scheduler(max_num_batched_tokens=4)
+    a, b, c = seq(3), seq(10, first=20, n=3), seq(2, first=40)
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s)                                          # a running, b's first token of 10 in
+    assert s.waiting[0] is b and b.block_table
+    dropped = s.abort([a.seq_id, b.seq_id])
+    assert set(dropped) == {a, b} and list(s.waiting) == [c] and not s.running
+    assert s.block_manager.num_free_blocks == 64
+    assert run_to_the_end(s) == [c]
