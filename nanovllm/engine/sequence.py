@@ -48,6 +48,10 @@ class Sequence:
         return self.num_tokens
 
     def __getitem__(self, key):
+        if len(self.token_ids) < self.num_tokens:
+            # a worker's copy of a step that computes one token got only that one (__getstate__): a
+            # prefill of one token (the rest hit in the cache, or held by reference) reads it here
+            return ([PENDING] * (self.num_tokens - 1) + [self.last_token])[key]
         return self.token_ids[key]
 
     @property

@@ -2,11 +2,15 @@
 max_num_seqs run, their completions starting in waves as slots and blocks free up, sharing the prompt's
 full blocks; what each completion draws depends on its request's seed and its index alone; the cache
 stays consistent and is all free at the end; a request can be aborted wherever its completions are."""
+import pickle
+
 import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
 from block_invariants import check_invariants
 from oracle import load_hf_model, random_prompts
 
@@ -173,3 +177,20 @@ def test_abort_a_request_between_steps_while_its_completions_start_in_waves(room
     assert [seq_id for seq_id, _ in finished] == [other]
     assert_idle(roomy)
 
+
+def test_a_wave_whose_tail_is_one_token_reaches_the_tensor_parallel_workers():
+    """A prompt one token past a block boundary: a later wave computes just that token. Workers get a
+    sequence without its token list when one token is computed (a decode's may still be PENDING), and
+    must still read that token as a prefill input (their copy is pickled, as the shm channel sends it)."""
+    manager = BlockManager(4, BLOCK)
+    first = Sequence(list(range(1, BLOCK + 2)), SamplingParams(n=2), BLOCK)
+    manager.allocate(first)
+    rest = first.fork(1)
+    manager.share_prompt(first, rest)
+    manager.deallocate(first)
+    manager.allocate(rest)
+    rest.num_scheduled_tokens = rest.num_tokens - rest.num_cached_tokens
+    assert rest.num_scheduled_tokens == 1
+    worker_copy = pickle.loads(pickle.dumps(rest))
+    start = worker_copy.num_cached_tokens
+    assert worker_copy[start:start + 1] == [BLOCK + 1] and worker_copy.block_table == rest.block_table
