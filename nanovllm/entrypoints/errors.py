@@ -2,16 +2,12 @@
 
 A bad request is a 400 (FastAPI's own 422 for a body that does not validate included), a missing or
 wrong API key a 401, an unknown model a 404; the server keeps serving after each."""
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from nanovllm.entrypoints.protocol import ErrorInfo, ErrorResponse
-
-logger = logging.getLogger("nanovllm.server")
 
 
 class APIError(Exception):
@@ -65,6 +61,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("error while handling %s %s", request.method, request.url.path)
+        # the traceback is logged by the server (Starlette raises the error again after this answer)
         return APIError(f"internal server error: {type(error).__name__}: {error}", status=500,
                         type="server_error").response()

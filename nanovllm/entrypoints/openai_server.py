@@ -9,7 +9,7 @@ With an API key, every /v1 path wants `Authorization: Bearer KEY` (the others st
 import hmac
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from nanovllm.entrypoints.chat_completions import create_chat_completion
 from nanovllm.entrypoints.completions import create_completion

@@ -40,7 +40,7 @@ class Serving:
         needs the prompt's length first (learned from a check with the smallest request)."""
         try:
             if max_tokens is None:
-                token_ids = self.engine.check_request(prompt, make_params(1))
+                token_ids = self.engine.check_request(prompt, SamplingParams(max_tokens=1))
                 prompt, max_tokens = token_ids, self.engine.max_model_len - len(token_ids)
             params = make_params(max_tokens)
             return Job(self.engine.check_request(prompt, params), params)

@@ -170,34 +170,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_pids(pid: int) -> set[int]:
-    """pid's descendants now (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 class Server:
     """`python -m nanovllm.serve MODEL --port P ...` as a subprocess; its output goes to a log file."""
+    ENGINE_ARGS = SERVER_ENGINE_ARGS
 
     def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None):
         self.port = free_port()
@@ -227,17 +202,48 @@ class Server:
         self.stop()
         raise RuntimeError(f"the server did not start within {SERVER_START_TIMEOUT} s:\n{self.output()}")
 
+    def descendants(self) -> set[int]:
+        """The server's processes below it now (the engine's, ...), from /proc."""
+        parents: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        found, frontier = set(), {self.process.pid}
+        while frontier:
+            frontier = {child for child, parent in parents.items() if parent in frontier} - found
+            found |= frontier
+        return found
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        """Running (not gone, not a zombie)."""
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
     def output(self) -> str:
         self.log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
+        """SIGTERM, then (should it hang) SIGKILL for it and every process below it."""
         if self.process.poll() is None:
+            below = self.descendants()
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(15)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                for pid in [self.process.pid, *below]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 self.process.wait(5)
         self.log.close()
 
@@ -245,5 +251,13 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model, tmp_path_factory):
+    """A server that wants `Authorization: Bearer sesame`."""
+    server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("keyed") / "server.log", api_key="sesame")
     yield server
     server.stop()

@@ -154,9 +154,10 @@ def test_chat(client):
 
 
 def test_chat_stream(client):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]       # text parts are joined
     response = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+        "messages": messages, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
     *chunks, usage = events(response)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)

@@ -1,0 +1,81 @@
+"""`nanovllm serve MODEL`: the OpenAI-compatible server (openai_server.py) under uvicorn.
+
+    nanovllm serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
+                         [every LLM argument: --max-model-len 8192 --tensor-parallel-size 2 ...]
+
+The engine starts first (a bad argument or model fails here, before any port is bound). SIGTERM or
+Ctrl-C: the server stops accepting connections, ends the requests in flight (each finishes with
+finish_reason "abort", so its response ends normally), stops the engine process and exits.
+"""
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from nanovllm.config import Config
+from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
+
+# seconds a request in flight has to finish once aborted, before uvicorn cancels it
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def build_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve MODEL over an OpenAI-compatible HTTP API: "
+                                     "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, "
+                                     "/tokenize, /detokenize.")
+    parser.add_argument("model", help="a Hugging Face checkpoint directory")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s; "
+                        "0.0.0.0 for every interface)")
+    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--api-key", help="if set, /v1 requests need `Authorization: Bearer KEY`")
+    server.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
+    server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_dataclass_options(parser, Config, "engine (any LLM argument)", skip=("model",))
+    return parser
+
+
+def _serve(app, host: str, port: int, log_level: str, end_requests: Callable[[], Awaitable[None]]) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:     # stop accepting first, then end what runs
+                server.close()
+            await end_requests()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    Server(config).run()
+
+
+def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        from nanovllm.entrypoints.openai_server import build_app
+    except ImportError as error:
+        parser.error(f"{error}; the server needs the serve extra: pip install 'nano-vllm[serve]'")
+    from nanovllm import AsyncLLM
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # SIGTERM ends the process through `finally` blocks (its default action skips them and leaves the
+    # engine process behind): while the engine starts, and when uvicorn, done, re-raises the signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        engine = AsyncLLM(args.model, **dataclass_kwargs(args, Config, skip=("model",)))
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        parser.error(str(error))
+    try:
+        app = build_app(engine, args.served_model_name or args.model, args.api_key)
+        _serve(app, args.host, args.port, args.log_level, app.state.end_requests)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""`python -m nanovllm.serve MODEL ...`, the same as `nanovllm serve MODEL ...` (nanovllm/entrypoints/serve.py)."""
+from nanovllm.entrypoints.serve import main
+
+if __name__ == "__main__":
+    main(prog="python -m nanovllm.serve")
