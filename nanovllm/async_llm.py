@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.engine_core import run_engine_core
-from nanovllm.engine.request_check import RequestLimits, check_request, prompt_token_ids
+from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.tensor_parallel import refuse_in_spawn_bootstrap
 from nanovllm.llm import default_sampling_params, render_chat
 from nanovllm.sampling_params import SamplingParams
@@ -203,9 +203,7 @@ class AsyncLLM:
     # ---- requests ----------------------------------------------------------------------------------------
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
         """The prompt's token ids; raises ValueError/TypeError where LLM.generate would refuse it."""
-        token_ids = prompt_token_ids(self.tokenizer, prompt, self.limits.vocab_size)
-        check_request(token_ids, sampling_params, self.limits)
-        return token_ids
+        return checked_request(self.tokenizer, prompt, sampling_params, self.limits)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """One conversation's prompt token ids, through the tokenizer's chat template."""

@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tensor_parallel import Workers, refuse_in_spawn_bootstrap
@@ -41,6 +42,8 @@ class LLMEngine:
                 self.workers.stop(graceful=False)
             raise
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.limits = RequestLimits(config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
+                                    self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
         atexit.register(self.exit)
@@ -74,36 +77,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------
     def _make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
         """Check one request in full, without touching any engine state."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise TypeError("a token-id prompt must be a list of ints")
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        else:
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt has no tokens")
-        max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room to generate within "
-                             f"max_model_len={max_len}")
-        bad = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-        block_size, num_blocks = self.config.kvcache_block_size, len(self.scheduler.block_manager.blocks)
-        longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
-        if (longest + block_size - 1) // block_size > num_blocks:
-            raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
-                             f"{num_blocks} blocks of {block_size} tokens; lower max_tokens or "
-                             f"give the cache more blocks")
+        token_ids = checked_request(self.tokenizer, prompt, sampling_params, self.limits)
+        block_size = self.config.kvcache_block_size
         return Sequence(token_ids, sampling_params, block_size)
 
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> None:
@@ -161,10 +136,7 @@ class LLMEngine:
     def abort_request(self, first_seq_id: int) -> list:
         """Drop every sequence of the request whose first sequence is first_seq_id, wherever it is, and
         free its blocks now (between steps: a step in flight skips what is finished). Returns them."""
-        scheduler = self.scheduler
-        seqs = [seq for queue in (scheduler.waiting, scheduler.running, scheduler.finishing) for seq in queue
-                if seq.parent_id == first_seq_id]
-        dropped = scheduler.abort(seqs)
+        dropped = self.scheduler.abort([first_seq_id])
         self._ended_seq_ids.extend(seq.seq_id for seq in dropped)
         return dropped
 

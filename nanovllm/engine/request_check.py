@@ -15,6 +15,16 @@ class RequestLimits:
     num_blocks: int
 
 
+def checked_request(tokenizer, prompt: str | list[int], sampling_params: SamplingParams,
+                    limits: RequestLimits) -> list[int]:
+    """The prompt's token ids, once the whole request is checked (the sampling params' type first)."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    token_ids = prompt_token_ids(tokenizer, prompt, limits.vocab_size)
+    check_request(token_ids, sampling_params, limits)
+    return token_ids
+
+
 def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
     """A prompt (text, or token ids) as checked token ids."""
     if isinstance(prompt, str):
