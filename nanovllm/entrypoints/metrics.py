@@ -1,6 +1,6 @@
 """GET /metrics: the engine's figures in Prometheus' text exposition format (version 0.0.4), written
-here rather than through prometheus_client, which would be a dependency for ~50 lines. Names follow
-vLLM's, under the `nanovllm:` prefix, each labelled with the served model's name."""
+here: the format is a few lines of text per figure, not worth a dependency (prometheus_client). Names
+follow vLLM's, under the `nanovllm:` prefix, each labelled with the served model's name."""
 import math
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
