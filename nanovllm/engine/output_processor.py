@@ -1,5 +1,6 @@
 """What the user gets back: log-prob dicts as tokens arrive, stop strings found in the growing text
-(only for requests that have them), and each request's output dict with its n completions."""
+(only for requests that have them), and each request's output dict with its n completions, whose text is
+detokenized in the prompt's context the same way with or without stop strings (detokenizer.py)."""
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
 
@@ -23,13 +24,17 @@ class OutputProcessor:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += sampled_logprobs[row]
 
+    def detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        """seq's text as its tokens arrive: the one place a completion's text is defined (detokenizer.py)."""
+        params = seq.sampling_params
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                      params.include_stop_str_in_output, params.skip_special_tokens,
+                                      params.min_tokens)
+
     def stop_check(self, seq: Sequence) -> bool:
         """Feed seq's newly known tokens to its detokenizer; True when they completed a stop string."""
-        params = seq.sampling_params
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
-                                                     params.include_stop_str_in_output,
-                                                     params.skip_special_tokens, params.min_tokens)
+            seq.detokenizer = self.detokenizer(seq)
         known = seq.num_tokens - seq.num_pending_tokens
         new = seq.token_ids[seq.num_prompt_tokens + seq.detokenizer.num_tokens:known]
         stop = seq.detokenizer.append(new)
@@ -39,13 +44,15 @@ class OutputProcessor:
 
     def completion(self, seq: Sequence) -> dict:
         params, token_ids = seq.sampling_params, seq.completion_token_ids
-        if isinstance(seq.stop_reason, str):
-            text = seq.detokenizer.text
-        else:
-            # eos and stop tokens stay in token_ids but not in the text (as vLLM), unless asked
-            shown = token_ids[:-1] if seq.finish_reason == "stop" and not params.include_stop_str_in_output else token_ids
-            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
-        return {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason,
+        # eos and stop tokens stay in token_ids but not in the text (as vLLM), unless asked
+        hidden = (seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+                  and not params.include_stop_str_in_output)
+        shown = len(token_ids) - 1 if hidden else len(token_ids)
+        # Requests without stop strings had no detokenizer while they ran: theirs reads all their tokens
+        # in one call, which gives the text token-by-token calls would (detokenizer.py says why).
+        detokenizer = seq.detokenizer or self.detokenizer(seq)
+        detokenizer.append(token_ids[detokenizer.num_tokens:shown])    # ignored past a stop string
+        return {"text": detokenizer.text, "token_ids": token_ids, "finish_reason": seq.finish_reason,
                 "stop_reason": seq.stop_reason, "logprobs": seq.logprobs,
                 "cumulative_logprob": seq.cumulative_logprob if seq.logprobs is not None else None}
 
