@@ -41,7 +41,10 @@ def append_completion_logprobs(out: CompletionLogprobs, texts: TokenTexts, token
             out.top_logprobs.append(None)
         else:
             out.token_logprobs.append(_finite(entry[token_id]))
-            out.top_logprobs.append({texts(t): _finite(lp) for t, lp in _ranked(entry)})
+            top: dict[str, float] = {}
+            for t, lp in _ranked(entry):     # tokens of the same text (partial UTF-8 bytes): the likeliest
+                top.setdefault(texts(t), _finite(lp))
+            out.top_logprobs.append(top)
     return offset
 
 

@@ -125,7 +125,7 @@ def test_logprobs(server, llm):
     for token_id, entry, got, top in zip(expected["token_ids"], expected["logprobs"], logprobs.token_logprobs,
                                          logprobs.top_logprobs):
         assert got == pytest.approx(entry[token_id], abs=1e-5)
-        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(max(entry.values()), abs=1e-5)
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(max(entry.values()), abs=1e-5)
     chat = api.chat.completions.create(model=server_model(server), messages=CHAT, temperature=0.0, max_tokens=4,
                                        logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
