@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None         # per token: the sampled token's and the k most likely
+    prompt_logprobs: int | None = None  # per prompt token (after the first): its log-prob and the k most likely
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -56,11 +57,13 @@ class SamplingParams:
         self._check_stops()
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
-        if self.logprobs is not None:
-            if not _is_int(self.logprobs):
-                raise TypeError(f"logprobs must be an int or None, got {self.logprobs!r}")
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_int(value):
+                    raise TypeError(f"{name} must be an int or None, got {value!r}")
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -55,8 +55,9 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding seq's leading full blocks. The block with the last token is never a hit:
-        its logits must be computed, and a shared block must not be written."""
-        if not self.enable_prefix_caching:
+        its logits must be computed, and a shared block must not be written. A sequence that wants its
+        prompt's log-probs hits nothing: they come from logits of every prompt position."""
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
         hits, h = [], -1
         for i in range((seq.num_tokens - 1) // self.block_size):

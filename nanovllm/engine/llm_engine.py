@@ -113,25 +113,37 @@ class LLMEngine:
         launched, num_tokens = None, 0
         if seqs:
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-            sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids)
+            prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
+            sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
+                                 prompt_rows)
             self._ended_seq_ids = []
-            launched = (self.scheduler.launched(seqs), sampled)
+            launched = (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows])
         elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         previous, self._in_flight = self._in_flight, launched
         self.last_collected = []
         if previous is None:
             return [], num_tokens
-        awaiting, sampled = previous
+        awaiting, sampled, prompt_seqs = previous
         token_ids = sampled.tolist()
         logprobs = sampled.logprobs()
         self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
         if logprobs is not None:
             self.output_processor.record_logprobs(awaiting, token_ids, logprobs)
+        if prompt_seqs:
+            self.output_processor.record_prompt_logprobs(prompt_seqs, *sampled.prompt_logprobs())
         finished = self.scheduler.postprocess(awaiting, token_ids, self.output_processor.stop_check)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)
         self.last_collected = [seq for seq in awaiting if seq is not None]
         return finished, num_tokens
+
+    @staticmethod
+    def _prompt_logprob_rows(seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(row, k) of the sequences whose prompt positions this prefill computes and which want their
+        prompt's log-probs."""
+        return [(i, seq.sampling_params.prompt_logprobs) for i, seq in enumerate(seqs)
+                if seq.prompt_logprobs is not None and seq.num_scheduled_tokens
+                and seq.num_cached_tokens < seq.num_prompt_tokens - 1]
 
     def abort_request(self, first_seq_id: int) -> list:
         """Drop every sequence of the request whose first sequence is first_seq_id, wherever it is, and

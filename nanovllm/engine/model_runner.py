@@ -10,6 +10,7 @@ from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
+from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
@@ -260,13 +261,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = (),
-            finished_seq_ids: list[int] = ()) -> SampledTokens | None:
+            finished_seq_ids: list[int] = (), prompt_logprob_rows: list[tuple[int, int]] = ()
+            ) -> SampledTokens | None:
         """Launch one step; rank 0 gets its sampled tokens (one per seq) as they will arrive.
 
         A prefill may carry completions split off a prompt computed in this very step (n > 1): they
         compute nothing, sample from their parent's logits, and get copies of its partial last block
         (block_copies: (source, destination)) once its KV is written. finished_seq_ids: sequences that
-        ended since the last step (their sampling state is freed)."""
+        ended since the last step (their sampling state is freed). prompt_logprob_rows: (index in seqs,
+        k) of the prefilled sequences that want their prompt's log-probs (SampledTokens carries them)."""
         computed = [seq for seq in seqs if seq.num_scheduled_tokens] if is_prefill else seqs
         logits_rows = None
         if len(computed) < len(seqs):   # each split-off completion follows its parent: sample the parent's row
@@ -277,7 +280,13 @@ class ModelRunner:
             self.penalty_state.release(finished_seq_ids)
             tensors, penalty_rows = build_sampling_tensors(seqs, logits_rows, self.config.hf_config.vocab_size,
                                                            self.config.eos_token_ids, self.penalty_state, self.device)
-        logits = self.run_model(input_ids, positions, is_prefill, len(computed))
+        prompt_logprobs = None
+        if prompt_logprob_rows:     # eager: they want the hidden state of every position
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden)
+            prompt_logprobs = self._prompt_logprobs(hidden, seqs, computed, prompt_logprob_rows)
+        else:
+            logits = self.run_model(input_ids, positions, is_prefill, len(computed))
         if block_copies:
             self.copy_blocks(block_copies)
         if self.rank == 0:
@@ -290,7 +299,32 @@ class ModelRunner:
         self.tp.broadcast_from_first(token_ids)       # every rank feeds them to its next decode step
         self.sampled, self.sampled_rows = token_ids, {seq.seq_id: i for i, seq in enumerate(seqs)}
         reset_context()
-        return SampledTokens(output) if self.rank == 0 else None
+        return SampledTokens(output, prompt_logprobs) if self.rank == 0 else None
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[Sequence], computed: list[Sequence],
+                         wanted: list[tuple[int, int]]):
+        """Log-probs of the prompt tokens this step's positions predict: position p of a prompt of P
+        tokens predicts token p + 1, for p < P - 1. Returns (spans, tensors): per wanted sequence, its
+        first predicted token's index, how many, and its k; the tensors row by row (rank 0)."""
+        offsets, offset = {}, 0
+        for seq in computed:
+            offsets[seq.seq_id] = offset
+            offset += seq.num_scheduled_tokens
+        rows, targets, spans = [], [], []
+        for i, k in wanted:
+            seq = seqs[i]
+            start = seq.num_cached_tokens
+            end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+            count = max(end - start, 0)
+            spans.append((start + 1, count, k))
+            if count:
+                rows.extend(range(offsets[seq.seq_id], offsets[seq.seq_id] + count))
+                targets.extend(seq.token_ids[start + 1:end + 1])
+        if not rows:
+            return spans, None
+        tensors = prompt_logprobs(self.model.lm_head, hidden, self._tensor(rows, torch.int64),
+                                  self._tensor(targets, torch.int64), max(k for _, k in wanted))
+        return spans, tensors
 
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer, K and V), queued behind the step that wrote the sources."""

@@ -31,6 +31,23 @@ class OutputProcessor:
                                       params.include_stop_str_in_output, params.skip_special_tokens,
                                       params.min_tokens)
 
+    @staticmethod
+    def record_prompt_logprobs(seqs: list[Sequence], spans: list[tuple[int, int, int]], rows) -> None:
+        """Each prompt token's log-prob dict ({token id: log-prob}: the token itself and the k most likely),
+        from a prefill step's rows (see ModelRunner._prompt_logprobs): span i covers seqs[i]'s prompt
+        tokens first..first + count - 1. A recomputed chunk (after preemption) writes the same places."""
+        if rows is None:
+            return
+        targets, top_ids, top_logprobs = rows
+        row = 0
+        for seq, (first, count, k) in zip(seqs, spans):
+            entries = seq.prompt_logprobs
+            for j in range(count):
+                entry = dict(zip(top_ids[row + j][:k], top_logprobs[row + j][:k]))
+                entry[seq.token_ids[first + j]] = targets[row + j]
+                entries[first + j] = entry
+            row += count
+
     def stop_check(self, seq: Sequence) -> bool:
         """Feed seq's newly known tokens to its detokenizer; True when they completed a stop string."""
         if seq.detokenizer is None:
@@ -58,5 +75,7 @@ class OutputProcessor:
 
     def request_output(self, seqs: list[Sequence]) -> dict:
         """One request's output: its completions in order under "outputs", the first one's fields on top."""
-        outputs = [self.completion(seq) for seq in sorted(seqs, key=lambda s: s.index)]
-        return {**outputs[0], "prompt_token_ids": seqs[0].prompt_token_ids, "outputs": outputs}
+        seqs = sorted(seqs, key=lambda s: s.index)
+        outputs = [self.completion(seq) for seq in seqs]
+        return {**outputs[0], "prompt_token_ids": seqs[0].prompt_token_ids,
+                "prompt_logprobs": seqs[0].prompt_logprobs, "outputs": outputs}

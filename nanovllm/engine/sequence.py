@@ -41,6 +41,11 @@ class Sequence:
         self.finish_reason: str | None = None    # "stop" or "length"
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # prompt_logprobs: one entry per prompt token (None for the first), filled as the prompt's chunks are
+        # computed; the request's first completion holds them
+        wants_prompt_logprobs = sampling_params.prompt_logprobs is not None and index == 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(token_ids) if wants_prompt_logprobs else None)
         self.cumulative_logprob = 0.0
         self.detokenizer = None          # set by the engine for requests with stop strings
 

@@ -41,5 +41,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(x, self.weight)
-        return self.tp.gather_to_first(logits)
+        return self.logits_of(x)
+
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Logits of every row of x (prompt log-probs want positions that sample nothing)."""
+        return self.tp.gather_to_first(F.linear(x, self.weight))
