@@ -278,7 +278,8 @@ class AsyncLLM:
 
     @staticmethod
     def _delta(index: int, completion: _Completion, params: SamplingParams, before: int) -> CompletionDelta:
-        """Detokenize what arrived; the text sent stops short of a stop string that may still be forming."""
+        """Detokenize what arrived (as OutputProcessor does: eos and stop tokens are not text); the text sent
+        stops short of a stop string that may still be forming (IncrementalDetokenizer.stable_length)."""
         detokenizer, done = completion.detokenizer, completion.finish_reason is not None
         shown = len(completion.token_ids)
         if done and completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str) \
@@ -290,11 +291,9 @@ class AsyncLLM:
         elif shown > completion.num_detokenized:
             detokenizer.append(completion.token_ids[completion.num_detokenized:shown])
         completion.num_detokenized = max(completion.num_detokenized, shown)
-        text = detokenizer.text
-        end = len(text)
-        if not done and params.stop and not params.include_stop_str_in_output:
-            end -= max(map(len, params.stop)) - 1   # the text a stop string would cut is not final yet
-        new_text = text[completion.num_text_sent:end] if end > completion.num_text_sent else ""
+        end = detokenizer.stable_length if not done else len(detokenizer.text)
+        new_text = detokenizer.text_from(completion.num_text_sent)[:end - completion.num_text_sent] \
+            if end > completion.num_text_sent else ""
         completion.num_text_sent = max(completion.num_text_sent, end)
         logprobs = completion.logprobs[before:] if completion.logprobs is not None else None
         return CompletionDelta(index, completion.token_ids[before:], new_text, logprobs,
