@@ -6,6 +6,7 @@ their log-probs in front of the completion's); `max_tokens=0` with `echo` gives 
 engine cannot generate nothing, so it generates one token that is dropped."""
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from types import SimpleNamespace
 
 from fastapi.responses import JSONResponse, Response
 
@@ -38,12 +39,15 @@ class _Completions:
         self.echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(job.prompt_token_ids)
                            for p, job in zip(prompts, self.jobs)] if body.echo else None
 
-    def choice(self, prompt_index: int, completion_index: int, text: str, token_ids: list[int],
-               logprobs: list | None, prompt_logprobs: list | None, first: bool, offset: int,
-               finish_reason: str | None, stop_reason) -> tuple[CompletionChoice, int]:
-        """A choice (or, streamed, its next chunk) from the completion's new tokens; `first`: its first
-        chunk, where the echo goes. Returns it and the text offset after its tokens."""
+    def choice(self, prompt_index: int, piece, prompt_logprobs: list | None, first: bool,
+               offset: int) -> tuple[CompletionChoice, int]:
+        """The choice made of `piece`: a completion's new tokens (an engine delta), or unstreamed the
+        whole completion, both with index, text, token_ids, logprobs, finish_reason and stop_reason.
+        `first`: the choice's first piece, where the echo goes; `offset`: where the piece's text starts
+        in the choice's. Returns the choice and the offset after it."""
         body, job = self.body, self.jobs[prompt_index]
+        text, token_ids, logprobs = piece.text, piece.token_ids, piece.logprobs
+        finish_reason, stop_reason = piece.finish_reason, piece.stop_reason
         if self.prompt_only:
             text, token_ids = "", []
             finish_reason, stop_reason = (finish_reason and "length"), None
@@ -57,7 +61,7 @@ class _Completions:
         if out is not None:
             offset = append_completion_logprobs(out, self.texts, token_ids, logprobs or [None] * len(token_ids),
                                                 offset)
-        choice = CompletionChoice(index=prompt_index * body.n + completion_index, text=text, logprobs=out,
+        choice = CompletionChoice(index=prompt_index * body.n + piece.index, text=text, logprobs=out,
                                   finish_reason=finish_reason, stop_reason=stop_reason)
         return choice, offset
 
@@ -69,9 +73,8 @@ class _Completions:
         choices, completion_tokens = [], 0
         for i, final in enumerate(finals):
             for j, completion in enumerate(final["outputs"]):
-                choice, _ = self.choice(i, j, completion["text"], completion["token_ids"], completion["logprobs"],
-                                        final.get("prompt_logprobs"), True, 0, completion["finish_reason"],
-                                        completion["stop_reason"])
+                piece = SimpleNamespace(**{**completion, "index": j})
+                choice, _ = self.choice(i, piece, final.get("prompt_logprobs"), True, 0)
                 choices.append(choice)
                 completion_tokens += len(completion["token_ids"])
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -89,9 +92,8 @@ class _Completions:
                     for delta in out.deltas:
                         index = i * self.body.n + delta.index
                         first = index not in offsets
-                        choice, offsets[index] = self.choice(
-                            i, delta.index, delta.text, delta.token_ids, delta.logprobs, prompt_logprobs.get(i),
-                            first, offsets.get(index, 0), delta.finish_reason, delta.stop_reason)
+                        choice, offsets[index] = self.choice(i, delta, prompt_logprobs.get(i), first,
+                                                             offsets.get(index, 0))
                         completion_tokens += len(delta.token_ids)
                         if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
                             yield sse(self.chunk([choice]).model_dump_json())
