@@ -143,6 +143,9 @@ class AsyncLLM:
                 message = self._conn.recv()
                 if message[0] == "outputs":
                     self._stats = message[2]        # read by stats() from any thread: one assignment
+                elif message[0] == "stats":
+                    self._stats = message[1]
+                    continue
                 self._call_in_loop(self._dispatch, message)
                 if message[0] == "fatal":
                     return

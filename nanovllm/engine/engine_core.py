@@ -7,7 +7,7 @@ host shows up as an idle GPU. Messages are pickled tuples over a multiprocessing
 
     to the engine:   ("add", request_id, prompt token ids, SamplingParams) | ("abort", request_id) | ("shutdown",)
     from the engine: ("ready", info) | ("error", request_id, exception type name, message)
-                     | ("outputs", [delta, ...], stats) | ("fatal", exception type name, message)
+                     | ("outputs", [delta, ...], stats) | ("stats", stats) | ("fatal", exception type name, message)
 
 where a delta is (request_id, completion index, new token ids, their log-prob dicts or None, finish_reason,
 stop_reason, prompt log-probs or None), sent whenever a completion gains tokens or finishes.
@@ -58,6 +58,7 @@ class EngineCore:
             self._add(*message[1:])
         elif kind == "abort":
             self._abort(message[1])
+            self.conn.send(("stats", self.stats()))     # its blocks are free now, whether or not a step follows
         elif kind == "shutdown":
             return False
         return True

@@ -174,7 +174,8 @@ class Server:
     """`python -m nanovllm.serve MODEL --port P ...` as a subprocess; its output goes to a log file."""
     ENGINE_ARGS = SERVER_ENGINE_ARGS
 
-    def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None):
+    def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None,
+                 slow: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -186,6 +187,9 @@ class Server:
         # as users run it: the tests' TRITON_INTERPRET (for kernel tests on CPU) would only slow it down
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         env["PYTHONUNBUFFERED"] = "1"
+        if slow:    # attention through Triton's interpreter: steps of tens of milliseconds, so a request
+            env["TRITON_INTERPRET"] = "1"   # is still running when a test acts on it (the plain one is done
+            args += ["--attention-backend", "triton"]   # with 480 tokens in ~80 ms)
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 
@@ -253,6 +257,14 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_model, tmp_path_factory):
+    """A server whose steps are slow enough to leave a request mid-way (see Server's `slow`)."""
+    server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("slow") / "server.log", slow=True)
     yield server
     server.stop()
 

@@ -192,11 +192,10 @@ def stream_then_leave(server, body: dict, chunks: int) -> float:
 
 
 def settle(server, timeout: float = 30.0) -> dict:
-    """/metrics once nothing runs or waits (bounded). The engine reports its figures with each step's
-    tokens, so after an abort they stay as they were until the next step: a one-token request makes one."""
+    """/metrics once nothing runs or waits (bounded): the engine reports its figures after each step and
+    after each abort, so what a client's departure freed shows without another request."""
     deadline = time.monotonic() + timeout
     while True:
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "probe", "max_tokens": 1}, timeout=30)
         samples = metrics(server)
         if samples["nanovllm:num_requests_running"] == 0 and samples["nanovllm:num_requests_waiting"] == 0:
             return samples
@@ -204,9 +203,10 @@ def settle(server, timeout: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
-def test_client_disconnect_frees_blocks(server):
+def test_client_disconnect_frees_blocks(slow_server):
     """A client that leaves mid-stream (or before a non-streamed answer) aborts its request: its blocks
     return to the pool and it generates no further."""
+    server = slow_server
     before = settle(server)
     long = {"prompt": "Tell me everything", "max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
     used = stream_then_leave(server, {**long, "stream": True}, chunks=3)
