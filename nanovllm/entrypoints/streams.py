@@ -79,9 +79,10 @@ async def unless_disconnected(request: Request, handler: Awaitable[Response]) ->
         await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
+        left = not work.done()      # the client left first (a cancel takes effect a loop turn later)
+        if left:
             work.cancel()
-    if work.cancelled():
+    if left or work.cancelled():
         return Response(status_code=499)    # nginx's "client closed request": nobody reads it
     return work.result()
 

@@ -1,0 +1,143 @@
+"""AsyncLLM: the engine in a process of its own, driven from asyncio. Streamed outputs add up to what
+LLM.generate returns for the same requests (text, tokens, log-probs, n, stop strings, prompt log-probs);
+requests come and go while others run; abort (or leaving the `async for`) frees a request's blocks at
+once; refusals raise before anything is yielded; tensor parallelism works behind it; shutdown leaves no
+process behind."""
+import asyncio
+import os
+
+import pytest
+
+from nanovllm import LLM, AsyncLLM, SamplingParams
+from oracle import random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+REQUESTS = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2))
+            for p, m in zip(random_prompts(6, 512, (3, 40), seed=4), (5, 17, 30, 1, 12, 24))]
+REQUESTS += [("The capital of", SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=20, ignore_eos=True)),
+             ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=40, stop=["a", "e"], ignore_eos=True)),
+             ([9, 8, 7, 6, 5], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2))]
+FIELDS = ("text", "token_ids", "finish_reason", "stop_reason")
+
+
+def close(a, b, tolerance=1e-4) -> bool:
+    """Log-probs (dicts, lists of them, floats, None) equal up to float32 noise: the two runs batch the
+    requests differently."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b if a is None or b is None else abs(a - b) < tolerance
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    with AsyncLLM(str(tiny_model), device="cpu", max_model_len=256) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def slow_engine(tiny_model):
+    """Attention through Triton's interpreter: steps slow enough that a request is still running when a
+    test acts on it (the plain engine generates hundreds of tokens in ~0.1 s)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (a CPU machine)")
+    with AsyncLLM(str(tiny_model), device="cpu", attention_backend="triton", kvcache_block_size=16,
+                  max_model_len=256) as engine:
+        yield engine
+
+
+async def collect(engine, prompt, params, request_id):
+    """Every output of one request: the completions' streamed text and tokens, and the last output."""
+    texts, tokens, outputs = {}, {}, []
+    async for out in engine.generate(prompt, params, request_id):
+        outputs.append(out)
+        for delta in out.deltas:
+            texts[delta.index] = texts.get(delta.index, "") + delta.text
+            tokens.setdefault(delta.index, []).extend(delta.token_ids)
+    return texts, tokens, outputs
+
+
+def test_streams_add_up_to_what_generate_returns(tiny_model, engine):
+    async def run_all():
+        return await asyncio.gather(*(collect(engine, p, sp, f"req-{i}") for i, (p, sp) in enumerate(REQUESTS)))
+    streamed = asyncio.run(run_all())
+    with LLM(str(tiny_model), device="cpu", max_model_len=256) as llm:
+        offline = llm.generate([p for p, _ in REQUESTS], [sp for _, sp in REQUESTS], use_tqdm=False)
+    for (texts, tokens, outputs), expected in zip(streamed, offline):
+        last = outputs[-1]
+        assert last.finished and all(not out.finished for out in outputs[:-1])
+        assert last.output["prompt_token_ids"] == expected["prompt_token_ids"] == outputs[0].prompt_token_ids
+        assert close(last.output["prompt_logprobs"], expected["prompt_logprobs"])
+        for index, completion in enumerate(expected["outputs"]):
+            assert texts[index] == completion["text"] and tokens[index] == completion["token_ids"]
+            for field in FIELDS:
+                assert last.output["outputs"][index][field] == completion[field], field
+            for field in ("logprobs", "cumulative_logprob"):
+                assert close(last.output["outputs"][index][field], completion[field]), field
+    stats = engine.stats()
+    assert stats["requests_finished_total"] >= len(REQUESTS) and stats["num_used_blocks"] == 0
+    assert stats["histograms"]["time_to_first_token_seconds"]["count"] >= len(REQUESTS)
+
+
+def test_refusals_raise_before_anything_runs_and_the_engine_goes_on(engine):
+    async def scenario():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(engine, [1] * 300, SamplingParams(), "too-long")
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(engine, [100000], SamplingParams(), "bad-token")
+        with pytest.raises(TypeError, match="SamplingParams"):
+            await collect(engine, [1, 2], {"max_tokens": 3}, "bad-params")
+        first = engine.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "twin")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="already running"):
+            await collect(engine, [1, 2], SamplingParams(), "twin")
+        await first.aclose()
+        _, tokens, _ = await collect(engine, [4, 5], SamplingParams(max_tokens=3, ignore_eos=True), "after")
+        assert len(tokens[0]) == 3
+    asyncio.run(scenario())
+
+
+def test_abort_and_leaving_early_free_the_blocks_at_once(slow_engine):
+    async def used_blocks_settle():
+        for _ in range(100):        # bounded: the engine reports after each abort
+            if slow_engine.stats()["num_used_blocks"] == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def scenario():
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, n=2)
+        outputs = []
+        async for out in slow_engine.generate(list(range(1, 40)), params, "aborted"):
+            outputs.append(out)
+            if len(outputs) == 1:
+                assert slow_engine.stats()["num_used_blocks"] > 0
+                await slow_engine.abort("aborted")
+        last = outputs[-1]
+        assert last.finished and {c["finish_reason"] for c in last.output["outputs"]} == {"abort"}
+        assert sum(len(c["token_ids"]) for c in last.output["outputs"]) < 100
+        assert await used_blocks_settle()
+
+        async for out in slow_engine.generate(list(range(1, 40)), params, "left"):
+            break                   # the caller leaves: the request is aborted
+        assert await used_blocks_settle()
+        _, tokens, _ = await collect(slow_engine, [3, 4], SamplingParams(max_tokens=2, ignore_eos=True), "next")
+        assert len(tokens[0]) == 2
+    asyncio.run(scenario())
+
+
+def test_tensor_parallel_behind_the_async_engine(tiny_model):
+    prompts = random_prompts(3, 512, (3, 30), seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def run(engine):
+        return await asyncio.gather(*(collect(engine, p, params, f"tp-{i}") for i, p in enumerate(prompts)))
+    with AsyncLLM(str(tiny_model), device="cpu", tensor_parallel_size=2, max_model_len=256) as engine:
+        streamed = asyncio.run(run(engine))
+        process = engine._process
+    assert not process.is_alive()
+    with LLM(str(tiny_model), device="cpu", max_model_len=256) as llm:
+        offline = llm.generate(prompts, params, use_tqdm=False)
+    assert [tokens[0] for _, tokens, _ in streamed] == [o["token_ids"] for o in offline]
