@@ -18,6 +18,11 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
     """(index of its stream, item) as the streams yield them, all running at once. A stream's exception
     is raised here; leaving early, or an exception, cancels the streams still running, which closes
     them (their own cleanup runs in their tasks: nothing here has to be awaited)."""
+    if len(streams) == 1:       # the usual request: no task and queue between it and the client
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[T]) -> None:
