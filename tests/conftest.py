@@ -27,3 +27,13 @@ def make_checkpoint(tmp_path_factory):
 def tiny_model(make_checkpoint):
     """The default tiny Qwen3: 2 layers, hidden 64, 4 q / 2 kv heads, vocab 512."""
     return make_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Two threads on two busy cores spin against each other (20x slower decode seen); one is plenty.
+    Modules that run many engine steps use it: pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

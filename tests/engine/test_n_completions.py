@@ -14,7 +14,7 @@ from nanovllm.engine.sequence import Sequence
 from block_invariants import check_invariants
 from oracle import load_hf_model, random_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 BLOCK = 16
 VOCAB = 512                                              # the tiny checkpoint's
@@ -26,15 +26,6 @@ FILTERS = [dict(top_k=20), dict(top_p=0.3), dict(min_p=0.4)]     # each keeps 10
 
 def first_tokens(params: SamplingParams) -> SamplingParams:
     return SamplingParams(n=N, max_tokens=1, temperature=0.8, ignore_eos=True, **params)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two threads on two busy cores spin against each other; one is plenty."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def engine(model, **kwargs) -> LLM:

@@ -24,7 +24,7 @@ from nanovllm.engine.sequence import Sequence
 from oracle import hf_greedy, load_hf_model, random_prompts
 from sampling_reference import greedy_with_penalties, hf_generate_greedy, teacher_forced_logprobs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 BLOCK = 16
 VOCAB = 512            # the tiny checkpoint's
@@ -44,15 +44,6 @@ def ids(outputs):
 
 
 # ---- fixtures: each engine is built once for the module --------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two threads on two busy cores spin against each other (20x slower decode here); one is plenty."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     with LLM(str(tiny_model), device="cpu", kvcache_block_size=BLOCK, max_model_len=128,
