@@ -85,10 +85,13 @@ class EngineCore:
         del self.request_ids[self.first_seq_ids.pop(request_id)]
         del self.num_unfinished[request_id]
 
-    def _deltas(self, seqs: list[Sequence]) -> list[tuple]:
-        """The new tokens of every sequence whose placeholders were filled by the last step."""
+    def _deltas(self, seqs: list[Sequence | None]) -> list[tuple]:
+        """The new tokens of every sequence whose placeholders were filled by the last step (None: a row
+        of a prompt's chunk, which samples nothing)."""
         deltas = []
         for seq in seqs:
+            if seq is None:
+                continue
             request_id = self.request_ids.get(seq.parent_id)
             if request_id is None:
                 continue

@@ -24,7 +24,7 @@ class LLMEngine:
         self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
         self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
-        self.last_collected: list[Sequence] = []    # the sequences whose sampled tokens the last step collected
+        self.last_collected: list[Sequence | None] = []    # by row, the sequences whose tokens the last step collected
         config = Config(model, **kwargs)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -134,7 +134,7 @@ class LLMEngine:
             self.output_processor.record_prompt_logprobs(prompt_seqs, *sampled.prompt_logprobs())
         finished = self.scheduler.postprocess(awaiting, token_ids, self.output_processor.stop_check)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)
-        self.last_collected = [seq for seq in awaiting if seq is not None]
+        self.last_collected = awaiting
         return finished, num_tokens
 
     @staticmethod
