@@ -2,6 +2,7 @@
 vLLM's penalties written out by hand, and transformers' own generate() with its repetition penalty."""
 import torch
 from transformers import GenerationConfig
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
 def _device(model) -> torch.device:
@@ -55,3 +56,21 @@ def hf_generate_greedy(model, prompt_ids: list[int], max_new_tokens: int, **proc
     ids = torch.tensor([prompt_ids], device=_device(model))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                     min_p: float = 0.0) -> torch.Tensor:
+    """transformers' warpers in vLLM's order (min_p, top_k, top_p) on logits / T ([rows, vocab] or one
+    row), renormalized."""
+    scores = logits.float().cpu() / temperature
+    one_row = scores.dim() == 1
+    if one_row:
+        scores = scores[None]
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    probabilities = torch.softmax(scores, -1)
+    return probabilities[0] if one_row else probabilities

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from nanovllm.engine.detokenizer import MAX_HELD, PROMPT_CONTEXT, IncrementalDetokenizer
+from token_groups import groups
 
 SENTENCE = " The quick brown fox jumps over the lazy dog."
 
@@ -21,15 +22,6 @@ def tok():
 @pytest.fixture(scope="module")
 def prompt(tok):
     return tok.encode("Complete the sentence:")
-
-
-def groups(ids, rng, most=4):
-    """ids cut into consecutive groups of 1..most tokens."""
-    i = 0
-    while i < len(ids):
-        n = rng.randint(1, most)
-        yield ids[i:i + n]
-        i += n
 
 
 def feed_and_check(tok, prompt, ids, cuts, skip_special_tokens=True):

@@ -6,13 +6,13 @@ import pickle
 
 import pytest
 import torch
-from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
 from block_invariants import check_invariants
 from oracle import load_hf_model, random_prompts
+from sampling_reference import hf_probabilities
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -50,18 +50,6 @@ def assert_idle(llm: LLM) -> None:
     assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
 
 
-def kept_probabilities(logits: torch.Tensor, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
-    """transformers' warpers in vLLM's order (min_p, top_k, top_p) on logits / T, renormalized."""
-    scores = logits[None].float() / temperature
-    if min_p > 0:
-        scores = MinPLogitsWarper(min_p)(None, scores)
-    if top_k > 0:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return torch.softmax(scores, -1)[0]
-
-
 def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     """Pearson's goodness of fit over the kept tokens: P(chi2(k - 1) >= statistic)."""
     statistic = ((counts - expected) ** 2 / expected).sum()
@@ -81,7 +69,7 @@ def test_n_3000_first_tokens_follow_the_filtered_distribution(roomy, drawn, next
     params, outputs = drawn
     tokens = [c["token_ids"] for c in outputs[which]["outputs"]]
     assert len(tokens) == N and all(len(t) == 1 for t in tokens)
-    probabilities = kept_probabilities(next_token_logits, 0.8, **FILTERS[which])
+    probabilities = hf_probabilities(next_token_logits, 0.8, **FILTERS[which])
     kept = probabilities > 0
     assert 10 <= int(kept.sum()) <= 25
     counts = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=VOCAB).double()

@@ -21,6 +21,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sequence import Sequence
+from token_groups import groups
 
 FFFD = "\ufffd"
 NEVER = "a stop string that never shows up"
@@ -107,15 +108,6 @@ def random_ids(name, tok, rng, lo, hi):
     is not prefix-stable there (detokenizer.py); valid byte-fallback text is tested below."""
     pool = range(len(tok)) if name != "sentencepiece" else [i for i in range(len(tok)) if not 3 <= i < 259]
     return [rng.choice(pool) for _ in range(rng.randint(lo, hi))]
-
-
-def groups(ids, rng, most=4):
-    """ids cut into consecutive groups of 1..most tokens."""
-    i = 0
-    while i < len(ids):
-        n = rng.randint(1, most)
-        yield ids[i:i + n]
-        i += n
 
 
 def run_request(processor: OutputProcessor, prompt, output, params: SamplingParams, eos: bool = False) -> dict:

@@ -4,11 +4,11 @@ Triton kernel path (the interpreter here, the GPU on a GPU box) with a small voc
 kernels' candidates hold only a few logits, so both the candidate path and the exact bisection run."""
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from nanovllm.layers.logits_processor import apply_penalties, keep_at_least
 from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors
+from sampling_reference import hf_probabilities
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PATHS = {"torch": False, "kernels": True}
@@ -24,18 +24,6 @@ def tensors_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, keys=None,
         t.min_p = torch.full((rows,), min_p, device=DEVICE)
         t.filter_rows = torch.arange(rows, dtype=torch.int32, device=DEVICE)
     return t
-
-
-def hf_probabilities(logits, temperature, top_k, top_p, min_p):
-    """transformers' warpers in vLLM's order (min_p, top_k, top_p) on logits / T, renormalized."""
-    scores = logits.float().cpu() / temperature
-    if min_p > 0:
-        scores = MinPLogitsWarper(min_p)(None, scores)
-    if top_k > 0:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return torch.softmax(scores, -1)
 
 
 def our_probabilities(sampler, logits, temperature, top_k, top_p, min_p):
