@@ -141,7 +141,7 @@ class AsyncLLM:
         try:
             while True:
                 message = self._conn.recv()
-                if message[0] == "outputs":
+                if message[0] == "outputs" and message[2] is not None:
                     self._stats = message[2]        # read by stats() from any thread: one assignment
                 elif message[0] == "stats":
                     self._stats = message[1]

@@ -7,19 +7,21 @@ host shows up as an idle GPU. Messages are pickled tuples over a multiprocessing
 
     to the engine:   ("add", request_id, prompt token ids, SamplingParams) | ("abort", request_id) | ("shutdown",)
     from the engine: ("ready", info) | ("error", request_id, exception type name, message)
-                     | ("outputs", [delta, ...], stats) | ("stats", stats) | ("fatal", exception type name, message)
+                     | ("outputs", [delta, ...], stats or None) | ("stats", stats) | ("fatal", exception type name, message)
 
 where a delta is (request_id, completion index, new token ids, their log-prob dicts or None, finish_reason,
 stop_reason, prompt log-probs or None), sent whenever a completion gains tokens or finishes.
 """
 import signal
+import time
 import traceback
 from multiprocessing.connection import Connection
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
 
-REFUSALS = (ValueError, TypeError, FileNotFoundError)   # a request's or a setting's fault, raised as they are
+REFUSALS = (ValueError, TypeError, FileNotFoundError)
+STATS_INTERVAL = 0.1     # seconds between the figures sent with outputs   # a request's or a setting's fault, raised as they are
 
 
 class EngineCore:
@@ -32,6 +34,7 @@ class EngineCore:
         self.first_seq_ids: dict[str, int] = {}    # and back
         self.num_unfinished: dict[str, int] = {}   # completions still running, per request
         self.num_sent: dict[int, int] = {}         # completion tokens sent, per sequence
+        self._stats_sent = float("-inf")            # when the figures last went out
 
     def info(self) -> dict:
         config, block_manager = self.engine.config, self.engine.scheduler.block_manager
@@ -50,7 +53,13 @@ class EngineCore:
             self.engine.step()
             deltas = self._deltas(self.engine.last_collected)
             if deltas:
-                self.conn.send(("outputs", deltas, self.stats()))
+                # the figures walk the running batch: a few times a second is enough for /metrics, and
+                # always once the engine runs out of work (its blocks all free again)
+                now = time.monotonic()
+                fresh = now - self._stats_sent >= STATS_INTERVAL or self.engine.is_finished()
+                if fresh:
+                    self._stats_sent = now
+                self.conn.send(("outputs", deltas, self.stats() if fresh else None))
 
     def _handle(self, message: tuple) -> bool:
         kind = message[0]
