@@ -1,0 +1,108 @@
+"""A mixture-of-experts MLP: a router picks each token's top-k experts, each a SwiGLU MLP, and the token's
+output is their outputs weighted by the router's probabilities.
+
+The experts' weights are stacked, [experts, 2 x intermediate, hidden] for gate and up (one matmul, as
+the dense MLP's gate_up_proj) and [experts, hidden, intermediate] for down. Tensor parallel splits each
+expert's intermediate dimension over the ranks, as a dense MLP's, and sums the partial outputs with one
+all-reduce; the router is replicated. On a GPU the Triton kernels in nanovllm.kernels.fused_moe do the
+routing and the grouped GEMMs; the torch functions here are the CPU path and the kernels' oracle.
+"""
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.parallel import current_group
+
+# a checkpoint's per-expert tensor: "...experts.{e}.{name}.weight" (Qwen: gate_proj/up_proj/down_proj,
+# Mixtral: w1/w3/w2)
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts by softmax probability (in float32, largest first), and their
+    probabilities (renormalized to sum to one if asked): (weights float32 [T, k], ids int64 [T, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) for hidden_states [T, H],
+    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
+
+    The roundings are the dense MLP's: the gate/up product and the activation are rounded to the input
+    dtype, as is each expert's output and its weighted value; the k weighted outputs are summed in
+    float32 and rounded once."""
+    num_tokens, top_k = topk_ids.shape
+    dtype = hidden_states.dtype
+    out = torch.zeros(num_tokens, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+    flat_ids = topk_ids.reshape(-1)
+    for expert in flat_ids.unique().tolist():
+        pairs = (flat_ids == expert).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        gate, up = F.linear(hidden_states[tokens], w13[expert]).chunk(2, dim=-1)
+        act = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+        y = F.linear(act, w2[expert])
+        weighted = (y.float() * topk_weights.reshape(-1)[pairs, None]).to(dtype)
+        out.index_add_(0, tokens, weighted.float())
+    return out.to(dtype)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer, stacked; forward(hidden_states, router_logits) -> the layer's output
+    (all-reduced over the tensor-parallel group)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool):
+        super().__init__()
+        self.tp = current_group()
+        if intermediate_size % self.tp.size:
+            raise ValueError(f"tensor_parallel_size={self.tp.size} does not divide the experts' "
+                             f"intermediate size {intermediate_size}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = intermediate_size // self.tp.size     # this rank's share
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int | None,
+                      shard: str) -> None:
+        """Copy this rank's slice of one checkpoint tensor: shard "gate", "up" or "down" of `expert`, or
+        (expert None) the same shard of every expert at once ([E, ...], transformers' fused layout)."""
+        target = param.data if expert is None else param.data[expert]
+        size = self.intermediate_size
+        if shard in ("gate", "up"):
+            target = target.narrow(-2, 0 if shard == "gate" else size, size)
+            source = loaded_weight.narrow(-2, self.tp.rank * size, size)
+        else:
+            source = loaded_weight.narrow(-1, self.tp.rank * size, size)
+        if target.shape != source.shape:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit the "
+                             f"experts' {shard} weight {tuple(target.shape)}")
+        target.copy_(source)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if hidden_states.is_cuda:
+            from nanovllm.kernels import fused_moe as kernels
+            topk_weights, topk_ids = kernels.route(router_logits, self.top_k, self.renormalize)
+            out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
+            out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self.tp.all_reduce(out)
+
+
+def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:
+    """A per-expert checkpoint tensor's (parameter name, expert, shard), or None for other tensors.
+    `shards` maps the checkpoint's projection names to "gate", "up" and "down"."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None or match["name"] not in shards:
+        return None
+    shard = shards[match["name"]]
+    param = "w2_weight" if shard == "down" else "w13_weight"
+    return f"{match['prefix']}.{param}", int(match["expert"]), shard
