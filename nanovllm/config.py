@@ -6,12 +6,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.models import SUPPORTED_ARCHITECTURES
+from nanovllm.models import model_class
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}   # None: the model's dtype
+LOAD_FORMATS = ("auto", "dummy")   # dummy: seeded random weights from config.json alone (benchmarks of big shapes)
 CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, independent of free RAM
 
 
@@ -23,7 +24,7 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
-def _check_model_dir(model) -> Path:
+def _check_model_dir(model, needs_weights: bool = True) -> Path:
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a Hugging Face checkpoint directory, got {model!r}")
     path = Path(model)
@@ -31,8 +32,9 @@ def _check_model_dir(model) -> Path:
         raise FileNotFoundError(f"model directory not found: {str(model)!r}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(model)!r} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"model directory {str(model)!r} has no *.safetensors weights")
+    if needs_weights and not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model directory {str(model)!r} has no *.safetensors weights "
+                                f"(load_format='dummy' runs random weights from config.json alone)")
     return path
 
 
@@ -54,6 +56,7 @@ class Config:
     kv_cache_dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
     disable_custom_all_reduce: bool = False
+    load_format: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
@@ -66,7 +69,9 @@ class Config:
             raise TypeError(f"unknown argument(s) {unknown}; LLM takes: {sorted(names)}")
 
     def __post_init__(self):
-        path = _check_model_dir(self.model)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        path = _check_model_dir(self.model, needs_weights=self.load_format == "auto")
         self.model = str(path)
         for name in ("enforce_eager", "enable_prefix_caching", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
@@ -85,13 +90,12 @@ class Config:
 
         self._resolve_device()
         self.hf_config = AutoConfig.from_pretrained(self.model)
-        architectures = getattr(self.hf_config, "architectures", None) or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            raise ValueError(f"unsupported architecture {architectures!r} in {self.model!r}; "
-                             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        model = model_class(self.hf_config)       # a clear error for architectures and variants we lack
         if "sliding_attention" in (getattr(self.hf_config, "layer_types", None) or []):
             raise ValueError(f"{self.model!r} uses sliding-window attention layers, which are not supported")
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if hasattr(model, "check_config"):
+            model.check_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
         self._resolve_dtype()
         self._resolve_kv_cache_dtype()
         self._resolve_attention_backend()

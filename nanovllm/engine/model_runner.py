@@ -10,13 +10,14 @@ from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
+from nanovllm.layers.fused_moe import moe_warmup_token_counts
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import reset_context, set_context
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import load_dummy_weights, load_model
 from nanovllm.utils.parallel import TensorParallelGroup, building_with
 from nanovllm.utils.transfer import to_device
 
@@ -67,7 +68,10 @@ class ModelRunner:
                 self.model = model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model, std=getattr(hf_config, "initializer_range", None) or 0.02)
+        else:
+            load_model(self.model, config.model)
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(hf_config.vocab_size, self.device) if self.rank == 0 else None
         # the last step's sampled tokens (on every rank) and each sequence's row in them: a decode input
@@ -123,7 +127,21 @@ class ModelRunner:
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
         self.run(seqs, True)
+        for num_tokens in moe_warmup_token_counts(self.model):   # each MoE kernel variant a batch can reach
+            if num_tokens < seq_len * num_seqs:
+                self._warm_prefill(num_tokens)
         torch.cuda.empty_cache()
+
+    def _warm_prefill(self, num_tokens: int) -> None:
+        """A prefill of num_tokens tokens in all, as sequences of at most max_model_len tokens."""
+        longest = self.config.max_model_len
+        seqs = []
+        while num_tokens > 0:
+            length = min(num_tokens, longest)
+            seqs.append(Sequence([0] * length, SamplingParams(), self.block_size))
+            seqs[-1].num_scheduled_tokens = length
+            num_tokens -= length
+        self.run(seqs, True)
 
     def warmup_cached_paths(self) -> None:
         """Compile the kernels that read K/V through the block table (a prefill continuing a cached

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.parallel import current_group
 
 # a checkpoint's per-expert tensor: "...experts.{e}.{name}.weight" (Qwen: gate_proj/up_proj/down_proj,
@@ -95,6 +96,30 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
             out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return self.tp.all_reduce(out)
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's feed-forward block as a mixture of experts: the router (`gate`, replicated on
+    every rank) scores the experts, `experts` runs each token's top-k."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states, self.gate(hidden_states))
+
+
+def moe_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
+    """One token count per compiled variant of the MoE kernels, for a model with MoE layers (else none):
+    the engine runs each at start-up, so that no request pays for a compilation."""
+    if not any(isinstance(m, FusedMoE) for m in model.modules()):
+        return ()
+    from nanovllm.kernels.fused_moe import config_token_counts
+    return config_token_counts()
 
 
 def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:

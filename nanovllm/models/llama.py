@@ -63,11 +63,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`mlp`: the feed-forward block (a mixture of experts in MoE families); default the dense SwiGLU MLP."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config, mlp_bias)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -84,10 +86,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
 
-    def __init__(self, config: PretrainedConfig, **variant):
+    def __init__(self, config: PretrainedConfig, sparse_mlp=None, **variant):
+        """`sparse_mlp(config, layer_index)`: layer i's MoE block, or None where the layer is dense."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, **variant) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, **variant, mlp=sparse_mlp and sparse_mlp(config, i))
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -108,6 +112,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # checkpoint module name -> ours, where a family names a module differently (Mixtral's MoE block)
+    renamed_modules: dict[str, str] = {}
+    # MoE families: a per-expert checkpoint tensor's projection name -> its shard of the stacked experts
+    expert_shards: dict[str, str] = {}
+    sparse_mlp = None   # MoE families: (config, layer_index) -> that layer's MoE block, or None if dense
+
     @staticmethod
     def variant(config: PretrainedConfig) -> dict:
         """Where this family's decoder differs: projection biases and per-head q/k RMSNorm."""
@@ -117,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.model = LlamaModel(config, **self.variant(config))
+        self.model = LlamaModel(config, self.sparse_mlp, **self.variant(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -20,6 +20,16 @@ QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False)    # its MoE layers' experts: 128 x 3 x 2048 x 768 weights each
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+               "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+# a small default mixture for tests: 8 experts, each token's top 2
+TINY_EXPERTS = {"Qwen3MoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+                "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2)}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -56,17 +66,19 @@ def byte_level_tokenizer(vocab_size: int):
 
 def write_random_checkpoint(path: str | Path, architecture: str = "Qwen3ForCausalLM",
                             dtype: torch.dtype = torch.float32, seed: int = 0, device: str = "cpu",
-                            **config_overrides) -> Path:
+                            weights: bool = True, **config_overrides) -> Path:
     """Write a checkpoint directory; config_overrides set the shape (transformers config fields).
     `device` is where the weights are drawn: a GPU draws an 8B model in seconds (other numbers than
-    the CPU's generator gives for the same seed)."""
+    the CPU's generator gives for the same seed). weights=False writes config.json and the tokenizer
+    only, for LLM(..., load_format="dummy") (a 30B shape without writing 61 GB)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}[architecture]
+    model_type = MODEL_TYPES[architecture]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     settings = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=False)
+    settings.update(TINY_EXPERTS.get(architecture, {}))
     settings.update(config_overrides)
     settings.setdefault("initializer_range", settings["hidden_size"] ** -0.5)
     tokenizer = byte_level_tokenizer(settings["vocab_size"])
@@ -74,6 +86,11 @@ def write_random_checkpoint(path: str | Path, architecture: str = "Qwen3ForCausa
     settings.setdefault("bos_token_id", tokenizer.eos_token_id)
     settings.setdefault("pad_token_id", tokenizer.eos_token_id)
     config = AutoConfig.for_model(model_type, architectures=[architecture], **settings)
+    if not weights:
+        config.dtype = dtype
+        config.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
