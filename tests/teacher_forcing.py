@@ -2,6 +2,7 @@
 each decode step of a given continuation, with or without CUDA graphs (GPU tests)."""
 
 import torch
+import torch.nn.functional as F
 
 import oracle
 from nanovllm import SamplingParams
@@ -45,3 +46,26 @@ def forced_logprobs(llm, prompts, continuations, use_graphs=True, num_forced=NUM
         for seq in seqs:
             bm.deallocate(seq)
     return torch.stack(steps, 1)                   # [batch, 1 + num_forced, vocab]
+
+
+@torch.inference_mode()
+def hf_forced_logprobs(hf, prompts, continuations, num_forced=NUM_FORCED):
+    """transformers' log-probs at the same positions: the last prompt token's and each forced token's."""
+    rows = []
+    for prompt, cont in zip(prompts, continuations):
+        ids = torch.tensor([prompt + cont[:num_forced]], device=next(hf.parameters()).device)
+        logits = hf(input_ids=ids).logits[0, len(prompt) - 1:].float()
+        rows.append(logits.log_softmax(-1))
+    return torch.stack(rows)
+
+
+def compare(ours, reference, margin=TIE_MARGIN) -> dict:
+    """How two runs' log-probs agree: the share of decided positions (reference's top-1 leads by more than
+    `margin`), top-1 agreement on them, the largest gap of the reference top-1's log-prob, and mean KL."""
+    top2 = reference.topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > margin
+    same_top1 = ours.argmax(-1) == reference.argmax(-1)
+    their_top = reference.argmax(-1, keepdim=True)
+    return dict(decided=decided.float().mean().item(), agreement=same_top1[decided].float().mean().item(),
+                top_logprob_diff=(ours.gather(-1, their_top) - reference.gather(-1, their_top)).abs().max().item(),
+                kl=F.kl_div(ours, reference, log_target=True, reduction="none").sum(-1).mean().item())

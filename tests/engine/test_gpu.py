@@ -9,7 +9,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.random_checkpoint import QWEN3_0_6B
 from oracle import hf_greedy, load_hf_model
-from teacher_forcing import NUM_FORCED, TIE_MARGIN, forced_logprobs, random_prompts
+from teacher_forcing import NUM_FORCED, TIE_MARGIN, forced_logprobs, hf_forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,16 +27,6 @@ def llm(model_dir):
 @pytest.fixture(scope="module")
 def hf(model_dir):
     return load_hf_model(model_dir, dtype=torch.bfloat16, device="cuda")
-
-
-@torch.inference_mode()
-def hf_forced_logprobs(hf, prompts, continuations):
-    rows = []
-    for prompt, cont in zip(prompts, continuations):
-        ids = torch.tensor([prompt + cont[:NUM_FORCED]], device="cuda")
-        logits = hf(input_ids=ids).logits[0, len(prompt) - 1:].float()
-        rows.append(logits.log_softmax(-1))
-    return torch.stack(rows)
 
 
 def test_teacher_forced_logprobs_agree_with_transformers(llm, hf):
