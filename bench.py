@@ -5,17 +5,22 @@
     python bench.py --model DIR --json   # any checkpoint; a JSON object of every figure as the last line
     python bench.py --workload all       # five regimes: standard, single-stream, long-context, prefill-heavy,
                                          # shared-prefix, each with its own floor
+    python bench.py --shape qwen3-30b-a3b   # Qwen3-30B-A3B's mixture-of-experts shape, random weights drawn
+                                            # by the engine (load_format="dummy"; nothing written but config.json)
 
 The workload is drawn exactly as nano-vllm's bench.py draws it (random.seed(0); all prompts, then all
 output lengths), so token counts match upstream's. The floor is what the hardware cannot beat: decode
 reads every running sequence's KV cache and all weights each step (bandwidth-bound), prefill is
-matmul arithmetic (compute-bound). See "Performance yardsticks" in DESIGN.md.
+matmul arithmetic (compute-bound). See "Performance yardsticks" in DESIGN.md. A mixture-of-experts model
+(Qwen3-MoE, Mixtral) reads its dense weights each step but only the experts the step's tokens pick (the
+expectation under uniform routing), and its prefill computes each token's active parameters only.
 """
 import argparse
 import json
 import math
 import os
 import random
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -30,7 +35,7 @@ TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, n
 DEFAULTS = {"cuda": dict(num_seqs=256, max_input_len=1024, max_output_len=1024),    # upstream's workload
             "cpu": dict(num_seqs=16, max_input_len=128, max_output_len=64)}       # a minute or two on CPU
 ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                "kv_cache_dtype", "disable_custom_all_reduce")
+                "kv_cache_dtype", "disable_custom_all_reduce", "load_format")
 
 
 @dataclass
@@ -92,25 +97,35 @@ def draw_workload(name: str, device: str, seed: int = 0, **standard) -> Workload
     return Workload(prompts, [size["output_len"]] * len(prompts), shared_tokens=shared)
 
 
-RANDOM_SHAPES = ("qwen3-0.6b", "qwen3-8b")
+RANDOM_SHAPES = ("qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b")
+# shapes too big to write: config.json alone, the engine draws the weights (load_format="dummy")
+DUMMY_SHAPES = ("qwen3-30b-a3b",)
+TINY_MOE_SHAPE = dict(TINY_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def default_model(device: str, shape: str = "qwen3-0.6b") -> Path:
     """A random-weight checkpoint, written once: a published Qwen3 shape in bf16 on a GPU (0.6B unless
-    `shape` says 8B), a tiny one on CPU."""
+    `shape` says 8B or 30B-A3B), a tiny one on CPU (a tiny Qwen3-MoE for the 30B-A3B shape). The
+    30B-A3B shape's directory holds config.json and the tokenizer alone (run it with load_format="dummy")."""
     from nanovllm.utils.gguf_checkpoint import cache_root
-    from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, write_random_checkpoint
+    from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B, write_random_checkpoint
 
-    root = cache_root()
+    root, options = cache_root(), {}
+    if shape in DUMMY_SHAPES:
+        options = dict(architecture="Qwen3MoeForCausalLM", weights=False)
     if device == "cuda":
         path, dtype = root / f"random-{shape}", torch.bfloat16
-        shape = QWEN3_8B if shape == "qwen3-8b" else QWEN3_0_6B
+        shape = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}.get(shape, QWEN3_0_6B)
+    elif shape in DUMMY_SHAPES:
+        path, dtype, shape = root / "random-qwen3-moe-tiny", torch.float32, TINY_MOE_SHAPE
     else:
         path, dtype, shape = root / "random-qwen3-tiny", torch.float32, TINY_SHAPE
     if not (path / "config.json").is_file():
-        print(f"Writing a random-weight checkpoint to {path} (once)")
+        what = "config-only checkpoint" if options else "random-weight checkpoint"
+        print(f"Writing a {what} to {path} (once)")
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        write_random_checkpoint(partial, dtype=dtype, device=device, **shape)
+        write_random_checkpoint(partial, dtype=dtype, device=device, **options, **shape)
         partial.rename(path)             # a crash midway never leaves a half-written checkpoint behind
     return path
 
@@ -158,29 +173,151 @@ def count_parameters(model_dir: str | Path, tied: bool) -> int:
     return total
 
 
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")      # the model_types config_parameters counts
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts model's routed experts: the layers that have them (sparse_layers), how many
+    each layer holds (num_experts), how many a token picks (top_k), and each expert's size: a SwiGLU MLP
+    of gate, up and down projections, hidden_size x intermediate_size each, no biases."""
+    sparse_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def params_per_expert(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def params(self) -> int:
+        """Every expert of every sparse layer (the routers are not experts: they count as dense)."""
+        return len(self.sparse_layers) * self.num_experts * self.params_per_expert
+
+    @property
+    def active_params(self) -> int:
+        """The expert parameters one token computes with: top_k experts in each sparse layer."""
+        return len(self.sparse_layers) * self.top_k * self.params_per_expert
+
+    def expected_touched(self, num_tokens: int) -> float:
+        """Distinct experts of one layer that num_tokens tokens pick, in expectation under uniform routing
+        (what random weights give): a token picks a given expert with probability top_k / num_experts,
+        independently of the other tokens, so the expert stays untouched with probability
+        (1 - top_k / num_experts) ** num_tokens. One token touches top_k; many touch them all."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
+
+
+def moe_experts(hf_config) -> Experts | None:
+    """The routed experts of a Qwen3-MoE or Mixtral config; None for a dense model. Qwen3-MoE's layer i
+    is sparse iff i is not in mlp_only_layers, num_experts > 0 and (i + 1) % decoder_sparse_step == 0
+    (the others have a dense MLP of intermediate_size); every Mixtral layer is sparse."""
+    hf = hf_config
+    family = getattr(hf, "model_type", None)
+    if family == "qwen3_moe":
+        num_experts, dense = hf.num_experts, set(getattr(hf, "mlp_only_layers", None) or [])
+        step = getattr(hf, "decoder_sparse_step", 1)
+        sparse = tuple(i for i in range(hf.num_hidden_layers)
+                       if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+        size = hf.moe_intermediate_size
+    elif family == "mixtral":
+        num_experts, sparse, size = hf.num_local_experts, tuple(range(hf.num_hidden_layers)), hf.intermediate_size
+    elif family in DENSE_FAMILIES:
+        return None
+    else:
+        # a family whose routed experts we do not know (shared experts, ...) must not pass for dense
+        if getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None):
+            raise ValueError(f"the floor does not know the experts of model_type {family!r}")
+        return None
+    if not sparse:
+        return None
+    return Experts(sparse, num_experts, hf.num_experts_per_tok, hf.hidden_size, size)
+
+
+def config_parameters(hf_config) -> int:
+    """The parameters a checkpoint of this config stores, counted from the config alone (what
+    count_parameters counts in its safetensors; a tied embedding counted once): embeddings, per layer
+    two RMSNorms, attention (q/k/v/o, their biases where the family has them, Qwen3's per-head q/k
+    norms) and a dense MLP or a router and its experts, then the final norm and the LM head."""
+    hf = hf_config
+    family = getattr(hf, "model_type", None)
+    if family not in DENSE_FAMILIES + MOE_FAMILIES:
+        raise ValueError(f"cannot count the parameters of model_type {family!r} from its config; "
+                         f"known: {', '.join(DENSE_FAMILIES + MOE_FAMILIES)}")
+    hidden, q = hf.hidden_size, hf.num_attention_heads * head_dim(hf)
+    kv = hf.num_key_value_heads * head_dim(hf)
+    attention = hidden * (q + 2 * kv) + q * hidden
+    if family == "qwen2":                                 # q/k/v biases always, none on o
+        attention += q + 2 * kv
+    elif family != "mixtral" and getattr(hf, "attention_bias", False):
+        attention += q + 2 * kv + hidden
+    if family in ("qwen3", "qwen3_moe"):
+        attention += 2 * head_dim(hf)                     # q_norm, k_norm
+    mlp = 3 * hidden * hf.intermediate_size
+    if family == "llama" and getattr(hf, "mlp_bias", False):
+        mlp += 2 * hf.intermediate_size + hidden
+    experts = moe_experts(hf)
+    num_sparse = len(experts.sparse_layers) if experts else 0
+    layers = (hf.num_hidden_layers * (attention + 2 * hidden) + (hf.num_hidden_layers - num_sparse) * mlp
+              + (num_sparse * experts.num_experts * hidden + experts.params if experts else 0))   # routers, experts
+    embedding = hf.vocab_size * hidden
+    return embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + layers + hidden
+
+
+def model_parameters(model_dir: str | Path, hf_config) -> int:
+    """count_parameters of the checkpoint's safetensors; counted from the config where the directory
+    has none (a config-only checkpoint run with load_format="dummy")."""
+    if any(Path(model_dir).glob("*.safetensors")):
+        return count_parameters(model_dir, getattr(hf_config, "tie_word_embeddings", False))
+    return config_parameters(hf_config)
+
+
 def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload,
                    bandwidth: float, flops: float, kv_itemsize: int | None = None) -> dict:
     """Seconds the run needs at best: decode bytes over bandwidth plus prefill FLOPs over peak FLOP/s.
-    Ideally every request runs at once, so the weights are read once per step of the longest output.
+    Ideally every request runs at once, so the weights are read once per step of the longest output
+    (a mixture-of-experts model's dense weights; of its experts only those the step's tokens pick).
     `itemsize`: the weights' bytes per value; `kv_itemsize` the KV cache's (default: the same)."""
     hf = hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * (kv_itemsize or itemsize)
+    head_dim_ = head_dim(hf)
+    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_ * (kv_itemsize or itemsize)
     lengths = [(len(p), o) for p, o in zip(workload.prompts, workload.max_tokens)]
     shared = workload.shared_tokens or [0] * len(lengths)
     # sum_{t<o} (p + t) per request, less its shared prefix: a prefix that several requests share is read
     # once per step (a kernel can: cascade attention), counted with the request that computed it
     kv_bytes = kv_bytes_per_token * sum(o * (p - c) + o * (o - 1) // 2 for (p, o), c in zip(lengths, shared))
-    weight_bytes = num_params * itemsize * max(workload.max_tokens)
+    steps, experts, moe = max(workload.max_tokens), moe_experts(hf), {}
+    if experts is None:
+        weight_bytes, active_params = num_params * itemsize * steps, num_params
+    else:
+        # step t decodes the B_t requests with max_tokens > t: the dense part (attention, norms, routers,
+        # dense MLPs, and the embedding table whole, as the dense floor counts it, though a step reads only
+        # its tokens' rows) is read every step, and each sparse layer reads the experts its B_t tokens
+        # pick: expected_touched(B_t), the expectation under uniform routing, which random weights give
+        ends, start, touched = sorted(workload.max_tokens), 0, 0.0
+        for end in sorted(set(ends)):         # steps start..end-1 all run the same requests
+            touched += (end - start) * experts.expected_touched(len(ends) - bisect_right(ends, start))
+            start = end
+        expert_bytes = len(experts.sparse_layers) * experts.params_per_expert * touched * itemsize
+        weight_bytes = (num_params - experts.params) * itemsize * steps + expert_bytes
+        active_params = num_params - experts.params + experts.active_params      # per token
+        moe = dict(expert_read_bytes=expert_bytes, num_params=num_params, active_params=active_params,
+                   experts_touched_fraction=expert_bytes / (experts.params * itemsize * steps))
     embedding = hf.vocab_size * hf.hidden_size     # a lookup, not a matmul; the head runs for last tokens only
-    body = num_params - embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
-    attention = 2 * hf.num_hidden_layers * hf.num_attention_heads * head_dim   # QK^T + PV, causal, per p(p+1)
+    body = active_params - embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    attention = 2 * hf.num_hidden_layers * hf.num_attention_heads * head_dim_   # QK^T + PV, causal, per p(p+1)
     # tokens c..p-1 of a prompt whose first c are shared: the body for p - c tokens, attention over i + 1 keys
     prefill_flops = sum(2 * body * (p - c) + 2 * embedding + attention * (p * (p + 1) - c * (c + 1))
                         for (p, _), c in zip(lengths, shared))
     floor_s = (kv_bytes + weight_bytes) / bandwidth + prefill_flops / flops
     return dict(kv_read_bytes=kv_bytes, weight_read_bytes=weight_bytes, prefill_flops=prefill_flops,
-                bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s)
+                bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s, **moe)
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -324,6 +461,12 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
           f"reads {floor['weight_read_bytes'] / 1e12:.3g} TB at {floor['bandwidth_gbps']:.0f} GB/s, prefill "
           f"{floor['prefill_flops']:.3g} FLOP at {floor['peak_tflops']:.3g} TFLOP/s); "
           f"fraction of floor = {fraction:.3g}")
+    if "expert_read_bytes" in floor:
+        expert_tb = floor["expert_read_bytes"] / 1e12
+        print(f"Floor's weight reads {floor['weight_read_bytes'] / 1e12:.3g} TB = dense "
+              f"{floor['weight_read_bytes'] / 1e12 - expert_tb:.3g} TB + experts {expert_tb:.3g} TB (experts touched: "
+              f"{floor['experts_touched_fraction']:.1%} of the expert bytes, expected under uniform routing); "
+              f"prefill at {floor['active_params'] / 1e9:.3g}B active of {floor['num_params'] / 1e9:.3g}B parameters")
     figures = {k: v for k, v in result.items() if k not in ("hf_config", "dtype", "kv_cache_dtype", "generated")}
     return dict(figures, total_tokens=tokens, prompt_tokens=prompt_tokens, throughput=tokens / elapsed,
                 prompt_and_output_throughput=(prompt_tokens + tokens) / elapsed,
@@ -341,7 +484,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on a GPU, a tiny shape on CPU")
     parser.add_argument("--shape", choices=RANDOM_SHAPES, default="qwen3-0.6b",
                         help="the published shape of the random-weight default model on a GPU (qwen3-8b: "
-                        "36 layers, hidden 4096, 32 q / 8 kv heads, for tensor-parallel runs)")
+                        "36 layers, hidden 4096, 32 q / 8 kv heads, for tensor-parallel runs; qwen3-30b-a3b: "
+                        "Qwen3-MoE, 48 layers of 128 experts, 8 per token, config.json only and the engine's "
+                        "random weights (--load-format dummy), a tiny Qwen3-MoE on CPU)")
     parser.add_argument("--num-seqs", type=int, help="number of requests (default: 256 on a GPU, 16 on CPU)")
     parser.add_argument("--max-input-len", type=int, help="prompt lengths are uniform in [100, this] "
                         "(lower bound this/2 below 200; default: 1024 on a GPU, 128 on CPU)")
@@ -379,6 +524,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tensor parallel: every all-reduce through NCCL, none through peer memory")
     engine.add_argument("--kv-cache-dtype", choices=("auto", "fp8"),
                         help="KV cache storage: the model's dtype (auto) or float8_e4m3fn; the floor counts its bytes")
+    engine.add_argument("--load-format", choices=("auto", "dummy"),
+                        help="the checkpoint's weights (auto) or seeded random ones drawn from config.json alone "
+                        "(dummy; the floor then counts the parameters from the config); --shape qwen3-30b-a3b "
+                        "forces dummy")
     args = parser.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in DEFAULTS[args.device].items():
@@ -386,10 +535,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.engine == "hf" and args.workload is not None:
         parser.error("--workload runs the nanovllm engine only")
+    dummy_shape = args.model is None and args.shape in DUMMY_SHAPES
+    if args.engine == "hf" and dummy_shape:
+        parser.error(f"--shape {args.shape} has no weights on disk for transformers to load")
     if args.engine == "hf" and (args.enforce_eager or any(getattr(args, k) is not None for k in ENGINE_KNOBS)):
         parser.error("the nanovllm engine knobs do not apply to --engine hf")
     if args.engine == "hf" and sampling_options(args) != sampling_options(parser.parse_args([])):
         parser.error("the sampling options apply to nanovllm only (--engine hf samples at temperature 0.6)")
+    if dummy_shape:
+        if args.load_format == "auto":
+            parser.error(f"--shape {args.shape} is config.json alone: it runs with --load-format dummy")
+        args.load_format = "dummy"
     try:
         from nanovllm import SamplingParams
         SamplingParams(**sampling_options(args))
@@ -407,7 +563,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def floor_for(result: dict, model: Path, workload: Workload, bandwidth: float, flops: float) -> dict:
     hf_config = result["hf_config"]
-    num_params = count_parameters(model, getattr(hf_config, "tie_word_embeddings", False))
+    num_params = model_parameters(model, hf_config)
     return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload, bandwidth * result["num_devices"],
                           flops * result["num_devices"], result["kv_cache_dtype"].itemsize)
 

@@ -1,18 +1,22 @@
 """bench.py on CPU: the workload is upstream's draw, the floor matches DESIGN.md's worked numbers, and a
-tiny end-to-end run of each engine reports consistent figures."""
+tiny end-to-end run of each engine reports consistent figures. Parameters counted from a config match
+the checkpoint's; a mixture-of-experts floor reads the experts a step touches, a dense one is unchanged."""
 import importlib.util
 import json
 import random
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B, write_random_checkpoint
+from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B, write_random_checkpoint
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[1] / "bench.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")     # the engine runs many steps (MoE's: 100x slower on two)
 
 TINY_RUN = ["--num-seqs", "4", "--max-input-len", "32", "--max-output-len", "8", "--seed", "3", "--json"]
 
@@ -197,3 +201,151 @@ def test_every_workload_runs_end_to_end_with_a_json_line_each(capsys, checkpoint
     full_blocks = size["prefix_len"] // 256 * 256
     assert by_name["shared-prefix"]["prefix_cache_hit_tokens"] == \
         size["num_prefixes"] * (size["num_suffixes"] - 1) * full_blocks
+
+
+# ---- mixture-of-experts: parameters from the config, and a floor that reads only the experts a step touches
+
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+COUNTED = [dict(architecture="Qwen3ForCausalLM"),
+           dict(architecture="Qwen3ForCausalLM", tie_word_embeddings=True, attention_bias=True),
+           dict(architecture="LlamaForCausalLM"),
+           dict(architecture="LlamaForCausalLM", attention_bias=True, mlp_bias=True, head_dim=32),
+           dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=True),
+           dict(architecture="Qwen3MoeForCausalLM", **MOE),
+           dict(architecture="Qwen3MoeForCausalLM", **MOE, num_hidden_layers=4, decoder_sparse_step=2,
+                mlp_only_layers=[3], attention_bias=True),
+           dict(architecture="MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2)]
+
+
+@pytest.mark.parametrize("shape", COUNTED, ids=["qwen3", "qwen3-tied-bias", "llama", "llama-biases-head-dim",
+                                                  "qwen2-tied", "qwen3-moe", "qwen3-moe-dense-layers-bias", "mixtral"])
+def test_parameters_counted_from_the_config_match_the_checkpoint(make_checkpoint, shape):
+    path = make_checkpoint(**shape)
+    config = AutoConfig.from_pretrained(path)
+    tied = getattr(config, "tie_word_embeddings", False)
+    assert bench.config_parameters(config) == bench.count_parameters(path, tied)
+    assert bench.model_parameters(path, config) == bench.count_parameters(path, tied)
+
+
+def test_a_config_only_checkpoint_is_counted_from_its_config(tmp_path, make_checkpoint):
+    shape = dict(architecture="Qwen3MoeForCausalLM", **MOE)
+    config_only = write_random_checkpoint(tmp_path / "config-only", weights=False, **shape)
+    assert not list(config_only.glob("*.safetensors"))
+    with_weights = make_checkpoint(**shape)
+    config = AutoConfig.from_pretrained(config_only)
+    assert bench.model_parameters(config_only, config) == bench.count_parameters(with_weights, tied=False)
+
+
+def test_qwen3_30b_a3b_has_its_published_parameter_counts():
+    """30.5B parameters in all, 3.3B of them active per token (Qwen3-30B-A3B's model card)."""
+    config = AutoConfig.for_model("qwen3_moe", **QWEN3_30B_A3B)
+    experts = bench.moe_experts(config)
+    assert experts.sparse_layers == tuple(range(48)) and (experts.num_experts, experts.top_k) == (128, 8)
+    total = bench.config_parameters(config)
+    assert total / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert (total - experts.params + experts.active_params) / 1e9 == pytest.approx(3.3, abs=0.1)
+
+
+def test_sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step():
+    def sparse(**shape):
+        experts = bench.moe_experts(AutoConfig.for_model("qwen3_moe", hidden_size=64, num_hidden_layers=6, **shape))
+        return experts and experts.sparse_layers
+    assert sparse(**MOE) == (0, 1, 2, 3, 4, 5)
+    assert sparse(**MOE, decoder_sparse_step=2) == (1, 3, 5)
+    assert sparse(**MOE, decoder_sparse_step=2, mlp_only_layers=[3]) == (1, 5)
+    assert sparse(**MOE, mlp_only_layers=[0, 1, 2, 3, 4, 5]) is None       # every layer dense: a dense model
+    assert sparse(**dict(MOE, num_experts=0)) is None
+    mixtral = bench.moe_experts(AutoConfig.for_model("mixtral", num_hidden_layers=3, num_local_experts=4,
+                                                     intermediate_size=96, hidden_size=64))
+    assert mixtral.sparse_layers == (0, 1, 2) and mixtral.params_per_expert == 3 * 64 * 96
+    assert bench.moe_experts(AutoConfig.for_model("qwen3", **QWEN3_0_6B)) is None
+
+
+def test_the_dense_floor_is_unchanged():
+    """To the byte and FLOP, the figures the floor gave before it knew of experts."""
+    workload = bench.make_workload(256, 1024, 1024, seed=0)
+    floor = bench.hardware_floor(AutoConfig.for_model("qwen3", **QWEN3_0_6B), 596_049_920, 2, workload,
+                                 bandwidth=3.0e12, flops=800e12)
+    assert floor == dict(kv_read_bytes=13870140899328, weight_read_bytes=1220710236160,
+                         prefill_flops=137186652258304, bandwidth_gbps=3000.0, peak_tflops=800.0,
+                         floor_s=pytest.approx(5.201767027152213, rel=1e-12))
+    shared = bench.draw_workload("shared-prefix", "cuda")
+    floor = bench.hardware_floor(AutoConfig.for_model("qwen3", **QWEN3_8B), 8_190_735_360, 2, shared,
+                                 bandwidth=3.35e12, flops=989e12, kv_itemsize=1)
+    assert floor == dict(kv_read_bytes=1227286904832, weight_read_bytes=4193656504320,
+                         prefill_flops=479285385363456, bandwidth_gbps=3350.0, peak_tflops=989.0,
+                         floor_s=pytest.approx(2.102808225591629, rel=1e-12))
+
+
+def moe_config(**shape):
+    return AutoConfig.for_model("qwen3_moe", **dict(dict(QWEN3_30B_A3B, num_hidden_layers=6), **shape))
+
+
+@pytest.mark.parametrize("shape", [{}, dict(decoder_sparse_step=2, mlp_only_layers=[3])])
+def test_one_request_reads_top_k_experts_per_sparse_layer_each_step(shape):
+    config = moe_config(**shape)
+    experts, num_params = bench.moe_experts(config), bench.config_parameters(config)
+    dense = num_params - experts.params
+    workload = bench.Workload([list(range(50))], [7])
+    floor = bench.hardware_floor(config, num_params, 2, workload, bandwidth=3e12, flops=800e12)
+    expert_bytes = 2 * 7 * len(experts.sparse_layers) * experts.top_k * experts.params_per_expert
+    assert floor["expert_read_bytes"] == pytest.approx(expert_bytes, rel=1e-12)
+    assert floor["weight_read_bytes"] == pytest.approx(2 * 7 * dense + expert_bytes, rel=1e-12)
+    assert floor["experts_touched_fraction"] == pytest.approx(experts.top_k / experts.num_experts, rel=1e-12)
+    # prefill computes each token's active parameters: the dense body and k experts per sparse layer
+    embedding = config.vocab_size * config.hidden_size
+    active = dense + experts.active_params
+    attention = 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    assert floor["active_params"] == active and floor["num_params"] == num_params
+    assert floor["prefill_flops"] == 2 * (active - 2 * embedding) * 50 + 2 * embedding + attention * 50 * 51
+
+
+def test_a_huge_batch_reads_every_expert_and_steps_count_their_own_batch():
+    config = moe_config()
+    experts, num_params = bench.moe_experts(config), bench.config_parameters(config)
+    huge = bench.Workload([[0]] * 5000, [3] * 5000)
+    floor = bench.hardware_floor(config, num_params, 2, huge, bandwidth=3e12, flops=800e12)
+    assert floor["experts_touched_fraction"] == pytest.approx(1, rel=1e-9)
+    assert floor["weight_read_bytes"] == pytest.approx(2 * 3 * num_params, rel=1e-9)
+    # 3 requests: steps 0-1 run all three, step 2 two of them, steps 3-4 one
+    workload = bench.Workload([[0]] * 3, [2, 5, 3])
+    floor = bench.hardware_floor(config, num_params, 2, workload, bandwidth=3e12, flops=800e12)
+    per_layer = 2 * experts.expected_touched(3) + experts.expected_touched(2) + 2 * experts.expected_touched(1)
+    assert experts.expected_touched(1) == pytest.approx(experts.top_k, rel=1e-12)
+    assert experts.top_k < experts.expected_touched(2) < 2 * experts.top_k
+    assert floor["expert_read_bytes"] == pytest.approx(
+        2 * len(experts.sparse_layers) * experts.params_per_expert * per_layer, rel=1e-12)
+
+
+def test_the_30b_shape_is_config_only_and_runs_dummy(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    path = bench.default_model("cuda", "qwen3-30b-a3b")       # config.json only: writable without a GPU
+    assert path == tmp_path / "random-qwen3-30b-a3b" and not list(path.glob("*.safetensors"))
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["Qwen3MoeForCausalLM"] and config.dtype == torch.bfloat16
+    assert {k: getattr(config, k) for k in QWEN3_30B_A3B if k != "rope_theta"} == \
+        {k: v for k, v in QWEN3_30B_A3B.items() if k != "rope_theta"}
+    assert bench.parse_args(["--shape", "qwen3-30b-a3b"]).load_format == "dummy"
+    assert bench.parse_args([]).load_format is None                   # the engine's default
+    assert bench.parse_args(["--load-format", "dummy"]).load_format == "dummy"
+    for argv in (["--shape", "qwen3-30b-a3b", "--load-format", "auto"], ["--engine", "hf", "--shape", "qwen3-30b-a3b"],
+                 ["--engine", "hf", "--load-format", "dummy"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "qwen3-30b-a3b" in bench.__doc__ and "qwen3-30b-a3b" in help_text and "--load-format" in help_text
+
+
+def test_the_moe_shape_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
+    """On CPU --shape qwen3-30b-a3b is a tiny config-only Qwen3-MoE, its weights drawn by the engine."""
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    figures = run_bench(capsys, ["--shape", "qwen3-30b-a3b", *TINY_RUN, "--bandwidth", "1000", "--peak-tflops", "10"])
+    check_consistent(figures)
+    assert not list((tmp_path / "random-qwen3-moe-tiny").glob("*.safetensors"))
+    config = AutoConfig.from_pretrained(tmp_path / "random-qwen3-moe-tiny")
+    assert figures["num_params"] == bench.config_parameters(config)
+    assert 0 < figures["expert_read_bytes"] < figures["weight_read_bytes"]
+    assert 0 < figures["experts_touched_fraction"] <= 1 and figures["active_params"] < figures["num_params"]
