@@ -41,17 +41,17 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     float32 and rounded once."""
     num_tokens, top_k = topk_ids.shape
     dtype = hidden_states.dtype
-    out = torch.zeros(num_tokens, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+    # each (token, j) pair's weighted expert output in its own row: no index_add_ (slow on busy CPU threads)
+    pair_out = torch.zeros(num_tokens * top_k, hidden_states.shape[1], dtype=torch.float32,
+                           device=hidden_states.device)
     flat_ids = topk_ids.reshape(-1)
     for expert in flat_ids.unique().tolist():
         pairs = (flat_ids == expert).nonzero().squeeze(1)
-        tokens = pairs // top_k
-        gate, up = F.linear(hidden_states[tokens], w13[expert]).chunk(2, dim=-1)
+        gate, up = F.linear(hidden_states[pairs // top_k], w13[expert]).chunk(2, dim=-1)
         act = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
         y = F.linear(act, w2[expert])
-        weighted = (y.float() * topk_weights.reshape(-1)[pairs, None]).to(dtype)
-        out.index_add_(0, tokens, weighted.float())
-    return out.to(dtype)
+        pair_out[pairs] = (y.float() * topk_weights.reshape(-1)[pairs, None]).to(dtype).float()
+    return pair_out.view(num_tokens, top_k, -1).sum(1).to(dtype)
 
 
 class FusedMoE(nn.Module):
