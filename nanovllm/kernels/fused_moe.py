@@ -1,0 +1,365 @@
+"""Fused mixture-of-experts kernels: the router's top-k and the experts' grouped SwiGLU GEMMs.
+
+`route` is one launch: a program per token takes the softmax over the experts in float32 and its top k
+by k rounds of argmax (ties go to the lowest expert id), optionally renormalized.
+
+`fused_moe` is five launches and never waits for the host, so a decode step replays in a CUDA graph;
+every grid depends on the token count T alone, and T-dependent integers are never specialized on:
+1. `_count_kernel`, a program per (expert, slice of the pairs): how many (token, slot) pairs chose it.
+2. `_place_kernel`, the same grid: lays the pairs out expert by expert, each expert's group padded to a
+   multiple of BLOCK_M rows (pads hold -1), in pair order, and tags every BLOCK_M-row block with its
+   expert (-1 past the last group). Scans instead of atomics: the layout is the same on every call, and
+   nothing needs zeroing first. At most T*k + min(E, T*k)*(BLOCK_M - 1) padded rows: a static grid.
+3. `_gate_up_kernel`, a program per (row block, tile of I columns): the gathered tokens' rows times the
+   block's expert's gate rows and up rows (two float32 accumulators over the same columns), then
+   silu(gate) * up -> act[pair] ([T*k, I]).
+4. `_down_kernel`, a program per (row block, tile of H columns): act rows times the expert's down
+   projection, times the pair's routing weight -> out_pairs[pair] ([T*k, H]).
+5. `_sum_kernel`: each token's k rows summed in float32. No atomics on outputs: results are bitwise
+   the same on every call, whatever the layout of the blocks.
+The roundings are the torch oracle's (nanovllm.layers.fused_moe): gate, up, silu(gate), the product,
+the expert's output and its weighted value are each rounded to the input dtype; the k-sum once.
+
+Tiles are chosen on T alone (CONFIGS): decode (few pairs per expert) takes 16- or 32-row blocks and long
+K steps, so that enough programs stream the experts' weights; prefill takes 64/128-row tensor-core tiles.
+float32 inputs take exact (IEEE) dots on smaller tiles.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+SCAN_CHUNK = 1024      # pair ids read per step by the counting and placing scans
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int        # rows of a block; each expert's group is padded to a multiple of it
+    gate_up: Tile
+    down: Tile
+    splits: int = 1     # slices of the pairs that count/place scan in parallel (long prefills)
+
+
+# (smallest T, config), for an H100/H200: BLOCK_M follows the expected pairs per expert (Qwen3-30B-A3B:
+# T*8/128), BLOCK_K is long at decode so each program keeps many weight bytes in flight
+CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
+    (1, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (64, MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3))),
+    (1024, MoeConfig(64, Tile(64, 64, 4, 4), Tile(128, 64, 4, 4), splits=4)),
+    (4096, MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 4), splits=16)),
+)
+
+
+def config_token_counts() -> tuple[int, ...]:
+    """One token count per config that fused_moe can pick (the warm-up runs each once)."""
+    return tuple(first for first, _ in CONFIGS)
+
+
+def choose_config(num_tokens: int, dtype: torch.dtype) -> MoeConfig:
+    config = [c for first, c in CONFIGS if num_tokens >= first][-1]
+    if dtype == torch.float32:      # IEEE dots and 4-byte tiles: smaller ones fit in shared memory
+        small = Tile(min(config.gate_up.block_n, 64), 32, 4, 2)
+        config = replace(config, gate_up=small, down=small)
+    return config
+
+
+# ---- routing --------------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    real = experts < num_experts
+    x = tl.load(logits_ptr + row * stride_row + experts, mask=real, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    probs = tl.where(real, p / tl.sum(p, 0), -1.0)        # pads below any probability, even 0
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        idx = tl.min(tl.where(probs == best, experts, BLOCK_E), 0)     # ties: the lowest id
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        probs = tl.where(experts == idx, -2.0, probs)                  # taken
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_i, mask=slots < TOP_K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts by softmax probability (float32, largest first, ties to the lowest id)
+    and their probabilities, renormalized to sum to one if asked: (weights float32 [T, k], ids int32 [T, k])."""
+    num_tokens, num_experts = router_logits.shape
+    assert 1 <= top_k <= num_experts
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
+                                     TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+                                     RENORMALIZE=renormalize, num_warps=1 if block_e <= 256 else 4)
+    return weights, ids
+
+
+# ---- grouping the pairs by expert -----------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_pairs", "slice_len"])
+def _count_kernel(ids_ptr, counts_ptr, num_experts, num_pairs, slice_len, CHUNK: tl.constexpr):
+    """counts[split, expert]: the pairs of this slice that chose this expert."""
+    expert = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * slice_len
+    end = tl.minimum(start + slice_len, num_pairs)
+    hits = tl.zeros([CHUNK], dtype=tl.int32)
+    for begin in range(start, end, CHUNK):
+        pairs = begin + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < end, other=-1)
+        hits += (ids == expert).to(tl.int32)
+    tl.store(counts_ptr + split * num_experts + expert, tl.sum(hits, 0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "slice_len", "num_blocks"])
+def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts, num_pairs, slice_len,
+                  num_blocks, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """sorted[group start of e + rank] = pair, for this slice's pairs of expert e, in pair order."""
+    expert = tl.program_id(0)
+    split = tl.program_id(1)
+    experts = tl.arange(0, BLOCK_E)
+    mine = experts == expert
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = 0                                  # this expert's pairs in the slices before this one
+    for s in tl.static_range(SPLITS):
+        counts = tl.load(counts_ptr + s * num_experts + experts, mask=experts < num_experts, other=0)
+        totals += counts
+        before += tl.where(s < split, tl.sum(tl.where(mine, counts, 0), 0), 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    group = tl.sum(tl.where(mine, tl.cumsum(padded, 0) - padded, 0), 0)     # exclusive prefix sum
+
+    placed = group + before
+    start = split * slice_len
+    end = tl.minimum(start + slice_len, num_pairs)
+    for begin in range(start, end, CHUNK):
+        pairs = begin + tl.arange(0, CHUNK)
+        hit = (tl.load(ids_ptr + pairs, mask=pairs < end, other=-1) == expert).to(tl.int32)
+        tl.store(sorted_ptr + placed + tl.cumsum(hit, 0) - 1, pairs, mask=hit != 0)
+        placed += tl.sum(hit, 0)
+
+    if split == 0:
+        count = tl.sum(tl.where(mine, totals, 0), 0)
+        size = tl.sum(tl.where(mine, padded, 0), 0)
+        pads = count + tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + group + pads, -1, mask=pads < size)
+        for b in range(group // BLOCK_M, (group + size) // BLOCK_M, CHUNK):
+            blocks = b + tl.arange(0, CHUNK)
+            tl.store(block_expert_ptr + blocks, expert, mask=blocks < (group + size) // BLOCK_M)
+        if expert == 0:                         # the blocks past the last group: their programs exit
+            for b in range(tl.sum(padded, 0) // BLOCK_M, num_blocks, CHUNK):
+                blocks = b + tl.arange(0, CHUNK)
+                tl.store(block_expert_ptr + blocks, -1, mask=blocks < num_blocks)
+
+
+def group_pairs(flat_ids: torch.Tensor, num_experts: int, config: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [blocks * BLOCK_M], -1 in pads; expert of each block [blocks], -1 past the end)
+    for the pairs' expert ids flat_ids [T*k] (int32)."""
+    num_pairs, block_m = flat_ids.numel(), config.block_m
+    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    device = flat_ids.device
+    counts = torch.empty(config.splits, num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    slice_len = triton.cdiv(num_pairs, config.splits)
+    grid = (num_experts, config.splits)
+    _count_kernel[grid](flat_ids, counts, num_experts, num_pairs, slice_len, CHUNK=SCAN_CHUNK, num_warps=4)
+    _place_kernel[grid](flat_ids, counts, sorted_pairs, block_expert, num_experts, num_pairs, slice_len,
+                        num_blocks, SPLITS=config.splits, BLOCK_E=triton.next_power_of_2(num_experts),
+                        BLOCK_M=block_m, CHUNK=SCAN_CHUNK, num_warps=4)
+    return sorted_pairs, block_expert
+
+
+# ---- the grouped GEMMs ----------------------------------------------------------------------------------
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    if dtype == torch.float32:
+        return "ieee"                   # exact float32 products, as the oracle's
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        return "interpreter"            # Triton's interpreter: see _dot and _round
+    return "tf32"                       # ignored by 16-bit dots: tensor cores, float32 accumulation
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    if PRECISION == "interpreter":      # it multiplies bfloat16 operands as their raw bits: widen them
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """float32 x rounded to dtype (to nearest even), as float32."""
+    if PRECISION == "interpreter":      # its float32 -> bfloat16 cast truncates: round the bits by hand
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, num_n, BLOCK_M: tl.constexpr):
+    """This program's (expert, column tile, pair ids of its rows (-1 for pads)); expert -1: nothing to do.
+    Consecutive programs share a row block: its A rows and its expert's weights stay in L2."""
+    pid = tl.program_id(0)
+    block = pid // num_n
+    expert = tl.load(block_expert_ptr + block)
+    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pid % num_n, pairs
+
+
+@triton.jit
+def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, hidden_size, inter_size,
+                    stride_hidden, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    expert, n_tile, pairs = _block_rows(sorted_ptr, block_expert_ptr, tl.cdiv(inter_size, BLOCK_N), BLOCK_M)
+    if expert < 0:
+        return
+    valid = pairs >= 0
+    tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)        # pads read token 0, store nothing
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = hidden_ptr + tokens[:, None] * stride_hidden + offs_k[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of the gate rows; a ragged last tile reads wrapped (in-bounds) rows
+    gate_ptrs = (w13_ptr + expert.to(tl.int64) * stride_we + (cols % inter_size)[None, :] * stride_wn
+                 + offs_k[:, None])
+    up_offset = inter_size * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, hidden_size, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            gate = tl.load(gate_ptrs)
+            up = tl.load(gate_ptrs + up_offset)
+        else:
+            inside = offs_k < hidden_size - k
+            a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
+            gate = tl.load(gate_ptrs, mask=inside[:, None], other=0.0)
+            up = tl.load(gate_ptrs + up_offset, mask=inside[:, None], other=0.0)
+        acc_gate = _dot(a, gate, acc_gate, PRECISION)
+        acc_up = _dot(a, up, acc_up, PRECISION)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+    dtype = act_ptr.dtype.element_ty
+    gate = _round(acc_gate, dtype, PRECISION)
+    act = _round(gate * tl.sigmoid(gate), dtype, PRECISION)
+    out = _round(act * _round(acc_up, dtype, PRECISION), dtype, PRECISION).to(dtype)
+    tl.store(act_ptr + pairs.to(tl.int64)[:, None] * inter_size + cols[None, :], out,
+             mask=valid[:, None] & (cols < inter_size)[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out_ptr, hidden_size,
+                 inter_size, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    expert, n_tile, pairs = _block_rows(sorted_ptr, block_expert_ptr, tl.cdiv(hidden_size, BLOCK_N), BLOCK_M)
+    if expert < 0:
+        return
+    valid = pairs >= 0
+    rows = tl.where(valid, pairs, 0).to(tl.int64)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * inter_size + offs_k[None, :]
+    b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we + (cols % hidden_size)[None, :] * stride_wn
+              + offs_k[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, inter_size, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            inside = offs_k < inter_size - k
+            a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=inside[:, None], other=0.0)
+        acc = _dot(a, b, acc, PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
+    out = _round(_round(acc, dtype, PRECISION) * weight[:, None], dtype, PRECISION).to(dtype)
+    tl.store(out_ptr + rows[:, None] * hidden_size + cols[None, :], out,
+             mask=valid[:, None] & (cols < hidden_size)[None, :])
+
+
+@triton.jit
+def _sum_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_H: tl.constexpr, PRECISION: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slots = tl.arange(0, BLOCK_K)
+    x = tl.load(pairs_ptr + (token * TOP_K + slots)[:, None] * hidden_size + cols[None, :],
+                mask=(slots < TOP_K)[:, None] & (cols < hidden_size)[None, :], other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + token * hidden_size + cols, _round(tl.sum(x.to(tl.float32), 0), dtype, PRECISION).to(dtype),
+             mask=cols < hidden_size)
+
+
+def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) for hidden_states [T, H],
+    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; [T, H] in hidden_states' dtype. topk_ids
+    int32 or int64. `config` overrides the tiles chosen for T (benchmark sweeps, tests)."""
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts, double_inter, _ = w13.shape
+    inter_size, top_k = double_inter // 2, topk_ids.shape[1]
+    dtype, device = hidden_states.dtype, hidden_states.device
+    assert w13.shape == (num_experts, 2 * inter_size, hidden_size) and w2.shape == (num_experts, hidden_size, inter_size)
+    assert w13.dtype == w2.dtype == dtype and w13.is_contiguous() and w2.is_contiguous()
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    if num_tokens == 0:
+        return torch.empty(0, hidden_size, dtype=dtype, device=device)
+    if hidden_states.stride(1) != 1:
+        hidden_states = hidden_states.contiguous()
+    config = config or choose_config(num_tokens, dtype)
+    # no copies for the kernels' route (int32 ids, float32 weights, contiguous)
+    flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    flat_weights = topk_weights.to(torch.float32).contiguous().view(-1)
+    sorted_pairs, block_expert = group_pairs(flat_ids, num_experts, config)
+    num_blocks, num_pairs = block_expert.numel(), num_tokens * top_k
+    precision = _precision(dtype, device)
+
+    tile = config.gate_up
+    act = torch.empty(num_pairs, inter_size, dtype=dtype, device=device)
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter_size, tile.block_n),)](
+        hidden_states, w13, sorted_pairs, block_expert, act, hidden_size, inter_size, hidden_states.stride(0),
+        w13.stride(0), w13.stride(1), TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, EVEN_K=hidden_size % tile.block_k == 0, PRECISION=precision,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+    tile = config.down
+    out_pairs = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
+    _down_kernel[(num_blocks * triton.cdiv(hidden_size, tile.block_n),)](
+        act, w2, sorted_pairs, block_expert, flat_weights, out_pairs, hidden_size, inter_size, w2.stride(0),
+        w2.stride(1), BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=inter_size % tile.block_k == 0, PRECISION=precision, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    if top_k == 1:                                  # a sum of one: already rounded once
+        return out_pairs
+
+    out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out_pairs, out, hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+        PRECISION=precision, num_warps=4)
+    return out

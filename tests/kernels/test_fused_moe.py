@@ -1,0 +1,273 @@
+"""Triton MoE kernels (nanovllm.kernels.fused_moe) against the torch oracle in nanovllm.layers.fused_moe.
+
+On CPU through Triton's interpreter at tiny shapes (tiles of 16 so that a few pairs span several row blocks
+and column tiles); on a GPU at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, under CUDA graphs, and with no
+compilation past the warm-up's token counts. float32 agrees to rounding of the sums' order; bfloat16 to a
+few units in the last place (the oracle rounds at the same points: gate, up, silu, product, expert output,
+weighted output, and the k-sum once)."""
+import pytest
+import torch
+
+from nanovllm.kernels import fused_moe as kernels
+from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, config_token_counts, group_pairs
+from nanovllm.layers import fused_moe as oracle
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+SMALL = MoeConfig(16, Tile(16, 16, 4, 2), Tile(16, 16, 4, 2))        # tiny tiles: many blocks and tiles
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _weights(num_experts, hidden, inter, dtype, device=DEVICE, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, generator=g) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device, generator=g) * inter ** -0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _inputs(num_tokens, hidden, num_experts, top_k, dtype, device=DEVICE, seed=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, device=device, generator=g).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=g)
+    weights, ids = oracle.route(logits, top_k, True)
+    return x, weights, ids
+
+
+def _check(out, ref, ulps):
+    """|out - ref| within `ulps` units in the last place of |ref| plus of the output's mean magnitude (the
+    k-sum cancels: an element near zero carries its terms' rounding). On CPU, bf16 results are mostly the
+    oracle's bits: a rounding left out or added would change about half of them by an ulp or two."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    ulp = 2.0 ** -23 if ref.dtype == torch.float32 else 2.0 ** -7
+    if ref.dtype == torch.bfloat16 and not CUDA:
+        assert (out != ref).float().mean() <= 0.02
+    out, ref = out.float(), ref.float()
+    bound = ulps * ulp * (ref.abs() + ref.abs().mean())
+    worst = ((out - ref).abs() / bound).max().item()
+    assert worst <= 1, f"off by {worst:.2f} x the bound ({ulps} ulps)"
+
+
+def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None):
+    out = kernels.fused_moe(x, w13, w2, weights, ids, config)
+    if x.is_cuda:           # cuBLAS may otherwise sum split-K partials in bf16
+        matmul = torch.backends.cuda.matmul
+        reduced, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, False
+    try:
+        ref = oracle.fused_moe(x, w13, w2, weights, ids.long())
+    finally:
+        if x.is_cuda:
+            matmul.allow_bf16_reduced_precision_reduction = reduced
+    _check(out, ref, ulps or (64 if x.dtype == torch.float32 else 2))
+    return out
+
+
+# ---- routing --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 2), (8, 8), (16, 8), (60, 4), (64, 8)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_torch(num_experts, top_k, renormalize):
+    logits = torch.randn(7, num_experts, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(num_experts))
+    weights, ids = kernels.route(logits, top_k, renormalize)
+    ref_weights, ref_ids = oracle.route(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), ref_ids)         # float32 logits: no ties
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(1), torch.ones(7, device=DEVICE))
+
+
+def test_route_16_bit_logits_and_ties():
+    """bf16 logits tie often: any of the tied experts is right, and the weights are the same; exact ties
+    go to the lowest ids (torch.topk's order among ties is unspecified)."""
+    logits = (2 * torch.randn(33, 60, device=DEVICE)).to(torch.bfloat16)
+    weights, ids = kernels.route(logits, 8, False)
+    ref_weights, _ = oracle.route(logits, 8, False)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    probs = torch.softmax(logits.float(), -1)
+    torch.testing.assert_close(probs.gather(1, ids.long()), weights, rtol=1e-6, atol=1e-7)
+    assert (ids.sort(1).values.diff(dim=1) > 0).all()                   # distinct experts
+
+    flat = torch.zeros(2, 12, device=DEVICE)
+    flat[1, [3, 7, 9]] = 1.0                                            # three tied leaders, then nine ties
+    weights, ids = kernels.route(flat, 5, True)
+    assert ids.tolist() == [[0, 1, 2, 3, 4], [3, 7, 9, 0, 1]]
+    torch.testing.assert_close(weights[0], torch.full((5,), 0.2, device=DEVICE))
+
+
+def test_route_empty():
+    weights, ids = kernels.route(torch.empty(0, 8, device=DEVICE), 2, True)
+    assert weights.shape == ids.shape == (0, 2)
+
+
+# ---- grouping -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("splits", [1, 3])
+def test_group_pairs_layout(splits):
+    """Each expert's pairs in pair order from its group's start, padded with -1 to a multiple of BLOCK_M;
+    blocks tagged with their expert, -1 past the last group; with 3000 pairs, scans of several chunks."""
+    num_experts, block_m = 10, 16
+    g = torch.Generator(DEVICE).manual_seed(0)
+    ids = torch.randint(0, 7, (3000,), device=DEVICE, generator=g).to(torch.int32)     # experts 7..9 empty
+    ids[ids == 4] = 5                                                                  # expert 4 empty, 5 heavy
+    config = MoeConfig(block_m, SMALL.gate_up, SMALL.down, splits=splits)
+    sorted_pairs, block_expert = group_pairs(ids, num_experts, config)
+    sorted_pairs, block_expert, ids = sorted_pairs.cpu(), block_expert.cpu(), ids.cpu()
+    start = 0
+    for e in range(num_experts):
+        mine = (ids == e).nonzero().squeeze(1).to(torch.int32)
+        size = -(-len(mine) // block_m) * block_m
+        assert torch.equal(sorted_pairs[start:start + len(mine)], mine)
+        assert (sorted_pairs[start + len(mine):start + size] == -1).all()
+        assert (block_expert[start // block_m:(start + size) // block_m] == e).all()
+        start += size
+    assert (block_expert[start // block_m:] == -1).all()
+    assert len(block_expert) * block_m >= start
+
+
+# ---- the experts ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", [
+    (1, 4, 2, 32, 16),
+    (5, 8, 2, 64, 48),
+    (33, 16, 4, 48, 40),         # ragged: neither H nor I a multiple of 16; 132 pairs over ~16 blocks
+])
+def test_fused_moe_matches_oracle(dtype, num_tokens, num_experts, top_k, hidden, inter):
+    w13, w2 = _weights(num_experts, hidden, inter, dtype)
+    x, weights, ids = _inputs(num_tokens, hidden, num_experts, top_k, dtype)
+    _moe_vs_oracle(x, w13, w2, weights, ids, SMALL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_default_config(dtype):
+    """The tiles chosen for T (BLOCK_K 128 > H: one masked step), int64 ids as the torch route gives them."""
+    w13, w2 = _weights(8, 40, 24, dtype)
+    x, weights, ids = _inputs(5, 40, 8, 2, dtype)
+    out = _moe_vs_oracle(x, w13, w2, weights, ids)
+    assert torch.equal(kernels.fused_moe(x, w13, w2, weights, ids.int()), out)       # and again: the same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_uneven_loads(dtype):
+    """Every token on expert 2 (33 pairs: three blocks), or on 2 and 5; most experts empty; a token whose
+    two slots name the same expert; top-1 (no k-sum)."""
+    num_tokens, hidden, inter, num_experts = 33, 32, 32, 8
+    w13, w2 = _weights(num_experts, hidden, inter, dtype)
+    x, weights, _ = _inputs(num_tokens, hidden, num_experts, 2, dtype)
+    one = torch.full((num_tokens, 1), 2, device=DEVICE)
+    _moe_vs_oracle(x, w13, w2, weights[:, :1], one, SMALL)
+    two = torch.tensor([2, 5], device=DEVICE).repeat(num_tokens, 1)
+    two[7] = 5
+    _moe_vs_oracle(x, w13, w2, weights, two, SMALL)
+    skewed = torch.randint(0, 3, (num_tokens, 2), device=DEVICE) * 3           # experts 0, 3, 6 only
+    _moe_vs_oracle(x, w13, w2, weights, skewed, SMALL)
+
+
+def test_fused_moe_no_tokens():
+    w13, w2 = _weights(4, 32, 16, torch.float32)
+    out = kernels.fused_moe(torch.empty(0, 32, device=DEVICE), w13, w2, torch.empty(0, 2, device=DEVICE),
+                            torch.empty(0, 2, dtype=torch.int32, device=DEVICE))
+    assert out.shape == (0, 32)
+
+
+def test_configs_by_token_count():
+    """config_token_counts names one T per distinct config, and every T picks one of those."""
+    counts = config_token_counts()
+    configs = [choose_config(t, torch.bfloat16) for t in counts]
+    assert len(set(configs)) == len(counts) and counts[0] == 1
+    assert {choose_config(t, torch.bfloat16) for t in range(1, 20000, 7)} == set(configs)
+
+
+# ---- on a GPU -------------------------------------------------------------------------------------------
+QWEN = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+MIXTRAL = dict(num_experts=8, top_k=2, hidden=4096, inter=14336)
+
+
+@pytest.fixture(scope="module")
+def qwen_weights():
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    return _weights(QWEN["num_experts"], QWEN["hidden"], QWEN["inter"], torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 4096])
+def test_gpu_qwen_shape(qwen_weights, num_tokens):
+    w13, w2 = qwen_weights
+    x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
+    logits = torch.randn(num_tokens, QWEN["num_experts"], device="cuda")
+    weights, ids = kernels.route(logits, QWEN["top_k"], True)
+    ref_weights, ref_ids = oracle.route(logits, QWEN["top_k"], True)
+    # the exponentials differ in the last bit: two experts within that of each other may swap places
+    assert (ids.long() == ref_ids).float().mean() > 0.999
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, ref_ids), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+    out = _moe_vs_oracle(x, w13, w2, weights, ids, ulps=4)
+    assert torch.equal(kernels.fused_moe(x, w13, w2, weights, ids), out)         # bitwise, call to call
+
+
+@needs_cuda
+def test_gpu_qwen_one_expert(qwen_weights):
+    """256 tokens on one expert (16+ row blocks of one group), and all 8 slots on it (127 experts empty)."""
+    w13, w2 = qwen_weights
+    x, weights, _ = _inputs(256, QWEN["hidden"], QWEN["num_experts"], QWEN["top_k"], torch.bfloat16)
+    _moe_vs_oracle(x, w13, w2, weights[:, :1], torch.full((256, 1), 77, device="cuda"), ulps=4)
+    _moe_vs_oracle(x, w13, w2, weights, torch.full((256, 8), 5, device="cuda"), ulps=4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+def test_gpu_mixtral_shape(num_tokens):
+    w13, w2 = _weights(MIXTRAL["num_experts"], MIXTRAL["hidden"], MIXTRAL["inter"], torch.bfloat16)
+    x, weights, ids = _inputs(num_tokens, MIXTRAL["hidden"], MIXTRAL["num_experts"], MIXTRAL["top_k"],
+                              torch.bfloat16)
+    _moe_vs_oracle(x, w13, w2, weights, ids, ulps=4)
+
+
+@needs_cuda
+def test_gpu_float32(qwen_weights):
+    w13, w2 = (w.float() for w in qwen_weights)
+    x, weights, ids = _inputs(40, QWEN["hidden"], QWEN["num_experts"], QWEN["top_k"], torch.float32)
+    _moe_vs_oracle(x, w13, w2, weights, ids, ulps=256)
+
+
+@needs_cuda
+def test_gpu_cuda_graph_replay(qwen_weights):
+    """Captured once, replayed on new logits and hidden states: the same bits as eager."""
+    w13, w2 = qwen_weights
+    x = torch.randn(64, QWEN["hidden"], device="cuda").bfloat16()
+    logits = torch.randn(64, QWEN["num_experts"], device="cuda")
+
+    def step():
+        weights, ids = kernels.route(logits, QWEN["top_k"], True)
+        return kernels.fused_moe(x, w13, w2, weights, ids)
+    step()                                                                      # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
+@needs_cuda
+def test_gpu_no_compilation_past_warm_up(qwen_weights):
+    """After one call at each of config_token_counts(), no token count compiles another kernel variant."""
+    import triton
+    w13, w2 = qwen_weights
+
+    def step(num_tokens):
+        x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
+        weights, ids = kernels.route(torch.randn(num_tokens, QWEN["num_experts"], device="cuda"), 8, True)
+        kernels.fused_moe(x, w13, w2, weights, ids)
+    for t in config_token_counts():
+        step(t)
+    compiled = []
+    triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
+    try:
+        for t in (1, 2, 3, 16, 17, 32, 63, 64, 65, 100, 128, 512, 1000, 1024, 1500, 4096, 5000):
+            step(t)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert not compiled, f"compiled: {compiled[:3]}"
