@@ -22,7 +22,8 @@ the expert's output and its weighted value are each rounded to the input dtype; 
 
 Tiles are chosen on T alone (CONFIGS): decode (few pairs per expert) takes 16- or 32-row blocks and long
 K steps, so that enough programs stream the experts' weights; prefill takes 64/128-row tensor-core tiles.
-float32 inputs take exact (IEEE) dots on smaller tiles.
+float32 inputs take exact (IEEE) dots on smaller tiles. On CPU tensors (Triton's interpreter, the
+tests) bfloat16 dots are widened and roundings done by hand: the interpreter gets both wrong.
 """
 from dataclasses import dataclass, replace
 
