@@ -70,7 +70,7 @@ def test_route_matches_torch(num_experts, top_k, renormalize):
     ref_weights, ref_ids = oracle.route(logits, top_k, renormalize)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     assert torch.equal(ids.long(), ref_ids)         # float32 logits: no ties
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
     if renormalize:
         torch.testing.assert_close(weights.sum(1), torch.ones(7, device=DEVICE))
 
@@ -78,12 +78,13 @@ def test_route_matches_torch(num_experts, top_k, renormalize):
 def test_route_16_bit_logits_and_ties():
     """bf16 logits tie often: any of the tied experts is right, and the weights are the same; exact ties
     go to the lowest ids (torch.topk's order among ties is unspecified)."""
+    torch.manual_seed(0)
     logits = (2 * torch.randn(33, 60, device=DEVICE)).to(torch.bfloat16)
     weights, ids = kernels.route(logits, 8, False)
     ref_weights, _ = oracle.route(logits, 8, False)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
     probs = torch.softmax(logits.float(), -1)
-    torch.testing.assert_close(probs.gather(1, ids.long()), weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(probs.gather(1, ids.long()), weights, rtol=1e-5, atol=1e-7)
     assert (ids.sort(1).values.diff(dim=1) > 0).all()                   # distinct experts
 
     flat = torch.zeros(2, 12, device=DEVICE)
@@ -148,6 +149,7 @@ def test_fused_moe_default_config(dtype):
 def test_fused_moe_uneven_loads(dtype):
     """Every token on expert 2 (33 pairs: three blocks), or on 2 and 5; most experts empty; a token whose
     two slots name the same expert; top-1 (no k-sum)."""
+    torch.manual_seed(0)
     num_tokens, hidden, inter, num_experts = 33, 32, 32, 8
     w13, w2 = _weights(num_experts, hidden, inter, dtype)
     x, weights, _ = _inputs(num_tokens, hidden, num_experts, 2, dtype)
