@@ -92,7 +92,7 @@ def sweep(shape, counts):
                 print(f"  sweep T={num_tokens} {config}: {graph_us or eager_us:9.1f} us", flush=True)
             except Exception as e:                          # noqa: BLE001 - report and go on
                 print(f"  sweep T={num_tokens} {config} failed: {type(e).__name__}: {str(e)[:120]}")
-        print(f"  chosen for T={num_tokens}: {choose_config(num_tokens, torch.bfloat16)}", flush=True)
+        print(f"  chosen for T={num_tokens}: {choose_config(num_tokens, torch.bfloat16, shape['top_k'], shape['experts'])}", flush=True)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ every grid depends on the token count T alone, and T-dependent integers are neve
 The roundings are the torch oracle's (nanovllm.layers.fused_moe): gate, up, silu(gate), the product,
 the expert's output and its weighted value are each rounded to the input dtype; the k-sum once.
 
-Tiles are chosen on T alone (CONFIGS): decode (few pairs per expert) takes 16- or 32-row blocks and long
+Tiles are chosen on the rows an expert sees on average, T*k/E (CONFIGS): decode (few pairs per expert) takes 16- or 32-row blocks and long
 K steps, so that enough programs stream the experts' weights; prefill takes 64/128-row tensor-core tiles.
 float32 inputs take exact (IEEE) dots on smaller tiles. On CPU tensors (Triton's interpreter, the
 tests) bfloat16 dots are widened and roundings done by hand: the interpreter gets both wrong.
@@ -50,23 +50,27 @@ class MoeConfig:
     splits: int = 1     # slices of the pairs that count/place scan in parallel (long prefills)
 
 
-# (smallest T, config), for an H100/H200: BLOCK_M follows the expected pairs per expert (Qwen3-30B-A3B:
-# T*8/128), BLOCK_K is long at decode so each program keeps many weight bytes in flight
+# (fewest expected rows per expert, config): an expert sees T*k/E rows on average (Qwen3-30B-A3B: T/16,
+# Mixtral: T/4), and that, not T, decides the tile. Measured on an H200 at Qwen3-30B-A3B's shape
+# (benchmarks/bench_moe.py --sweep): 16-row blocks and long K steps while an expert sees few rows, so that
+# enough programs stream the experts' weights; 256-column down tiles for long prefills (16,384 tokens:
+# 2.66 ms against 2.99 with 128).
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
-    (1, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
-    (64, MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3))),
-    (1024, MoeConfig(64, Tile(64, 64, 4, 4), Tile(128, 64, 4, 4), splits=4)),
-    (4096, MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 4), splits=16)),
+    (0, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (16, MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3))),
+    (64, MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4), splits=4)),
+    (256, MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), splits=16)),
 )
 
 
-def config_token_counts() -> tuple[int, ...]:
-    """One token count per config that fused_moe can pick (the warm-up runs each once)."""
-    return tuple(first for first, _ in CONFIGS)
+def config_token_counts(top_k: int, num_experts: int) -> tuple[int, ...]:
+    """One token count per config that fused_moe can pick for this k and E (the warm-up runs each once)."""
+    return tuple(max(1, -(-rows * num_experts // top_k)) for rows, _ in CONFIGS)
 
 
-def choose_config(num_tokens: int, dtype: torch.dtype) -> MoeConfig:
-    config = [c for first, c in CONFIGS if num_tokens >= first][-1]
+def choose_config(num_tokens: int, dtype: torch.dtype, top_k: int, num_experts: int) -> MoeConfig:
+    rows_per_expert = num_tokens * top_k // num_experts
+    config = [c for rows, c in CONFIGS if rows_per_expert >= rows][-1]
     if dtype == torch.float32:      # IEEE dots and 4-byte tiles: smaller ones fit in shared memory
         small = Tile(min(config.gate_up.block_n, 64), 32, 4, 2)
         config = replace(config, gate_up=small, down=small)
@@ -332,7 +336,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         return torch.empty(0, hidden_size, dtype=dtype, device=device)
     if hidden_states.stride(1) != 1:
         hidden_states = hidden_states.contiguous()
-    config = config or choose_config(num_tokens, dtype)
+    config = config or choose_config(num_tokens, dtype, top_k, num_experts)
     # no copies for the kernels' route (int32 ids, float32 weights, contiguous)
     flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)
     flat_weights = topk_weights.to(torch.float32).contiguous().view(-1)

@@ -116,10 +116,9 @@ class SparseMoeBlock(nn.Module):
 def moe_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
     """One token count per compiled variant of the MoE kernels, for a model with MoE layers (else none):
     the engine runs each at start-up, so that no request pays for a compilation."""
-    if not any(isinstance(m, FusedMoE) for m in model.modules()):
-        return ()
     from nanovllm.kernels.fused_moe import config_token_counts
-    return config_token_counts()
+    shapes = {(m.top_k, m.num_experts) for m in model.modules() if isinstance(m, FusedMoE)}
+    return tuple(sorted({t for shape in shapes for t in config_token_counts(*shape)}))
 
 
 def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:

@@ -169,12 +169,17 @@ def test_fused_moe_no_tokens():
     assert out.shape == (0, 32)
 
 
-def test_configs_by_token_count():
-    """config_token_counts names one T per distinct config, and every T picks one of those."""
-    counts = config_token_counts()
-    configs = [choose_config(t, torch.bfloat16) for t in counts]
+@pytest.mark.parametrize("top_k, num_experts", [(8, 128), (2, 8), (1, 60), (4, 64)])
+def test_configs_by_rows_per_expert(top_k, num_experts):
+    """config_token_counts names one T per distinct config, every T picks one of those, and the tile grows
+    with the rows an expert sees on average (T*k/E), not with T."""
+    counts = config_token_counts(top_k, num_experts)
+    configs = [choose_config(t, torch.bfloat16, top_k, num_experts) for t in counts]
     assert len(set(configs)) == len(counts) and counts[0] == 1
-    assert {choose_config(t, torch.bfloat16) for t in range(1, 20000, 7)} == set(configs)
+    assert {choose_config(t, torch.bfloat16, top_k, num_experts) for t in range(1, 20000, 7)} == set(configs)
+    block_m = [choose_config(t, torch.bfloat16, top_k, num_experts).block_m for t in range(1, 20000, 7)]
+    assert block_m == sorted(block_m)
+    assert choose_config(256, torch.bfloat16, 8, 128).block_m < choose_config(256, torch.bfloat16, 2, 8).block_m
 
 
 # ---- on a GPU -------------------------------------------------------------------------------------------
@@ -263,7 +268,7 @@ def test_gpu_no_compilation_past_warm_up(qwen_weights):
         x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
         weights, ids = kernels.route(torch.randn(num_tokens, QWEN["num_experts"], device="cuda"), 8, True)
         kernels.fused_moe(x, w13, w2, weights, ids)
-    for t in config_token_counts():
+    for t in config_token_counts(8, QWEN["num_experts"]):
         step(t)
     compiled = []
     triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
