@@ -3,9 +3,11 @@
 `route` is one launch: a program per token takes the softmax over the experts in float32 and its top k
 by k rounds of argmax (ties go to the lowest expert id), optionally renormalized.
 
-`fused_moe` is five launches and never waits for the host, so a decode step replays in a CUDA graph;
+`fused_moe` is four or five launches and never waits for the host, so a decode step replays in a CUDA graph;
 every grid depends on the token count T alone, and T-dependent integers are never specialized on:
 1. `_count_kernel`, a program per (expert, slice of the pairs): how many (token, slot) pairs chose it.
+   Skipped at decode (fewer than 16 rows per expert on average), where the placing programs count the
+   few pairs themselves: one launch fewer a layer in the weight-bound step.
 2. `_place_kernel`, the same grid: lays the pairs out expert by expert, each expert's group padded to a
    multiple of BLOCK_M rows (pads hold -1), in pair order, and tags every BLOCK_M-row block with its
    expert (-1 past the last group). Scans instead of atomics: the layout is the same on every call, and
@@ -47,7 +49,8 @@ class MoeConfig:
     block_m: int        # rows of a block; each expert's group is padded to a multiple of it
     gate_up: Tile
     down: Tile
-    splits: int = 1     # slices of the pairs that count/place scan in parallel (long prefills)
+    splits: int = 1     # slices of the pairs that count/place scan in parallel (long prefills); 0: few
+                        # pairs, which the placing programs count themselves (no count launch)
 
 
 # (fewest expected rows per expert, config): an expert sees T*k/E rows on average (Qwen3-30B-A3B: T/16,
@@ -56,7 +59,7 @@ class MoeConfig:
 # enough programs stream the experts' weights; 256-column down tiles for long prefills (16,384 tokens:
 # 2.66 ms against 2.99 with 128).
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
-    (0, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (0, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4), splits=0)),
     (16, MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3))),
     (64, MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4), splits=4)),
     (256, MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), splits=16)),
@@ -139,7 +142,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_experts, num_pairs, slice_len, CHUNK:
 @triton.jit(do_not_specialize=["num_pairs", "slice_len", "num_blocks"])
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts, num_pairs, slice_len,
                   num_blocks, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr):
     """sorted[group start of e + rank] = pair, for this slice's pairs of expert e, in pair order."""
     expert = tl.program_id(0)
     split = tl.program_id(1)
@@ -147,6 +150,11 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts
     mine = experts == expert
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
     before = 0                                  # this expert's pairs in the slices before this one
+    if SPLITS == 0:     # few pairs (decode): every program counts them all itself, one launch fewer
+        for begin in range(0, num_pairs, COUNT_CHUNK):
+            pairs = begin + tl.arange(0, COUNT_CHUNK)
+            ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+            totals += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
     for s in tl.static_range(SPLITS):
         counts = tl.load(counts_ptr + s * num_experts + experts, mask=experts < num_experts, other=0)
         totals += counts
@@ -183,15 +191,18 @@ def group_pairs(flat_ids: torch.Tensor, num_experts: int, config: MoeConfig) -> 
     num_pairs, block_m = flat_ids.numel(), config.block_m
     num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
     device = flat_ids.device
-    counts = torch.empty(config.splits, num_experts, dtype=torch.int32, device=device)
+    splits = max(config.splits, 1)
+    counts = torch.empty(splits, num_experts, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    slice_len = triton.cdiv(num_pairs, config.splits)
-    grid = (num_experts, config.splits)
-    _count_kernel[grid](flat_ids, counts, num_experts, num_pairs, slice_len, CHUNK=SCAN_CHUNK, num_warps=4)
+    slice_len = triton.cdiv(num_pairs, splits)
+    grid = (num_experts, splits)
+    if config.splits:
+        _count_kernel[grid](flat_ids, counts, num_experts, num_pairs, slice_len, CHUNK=SCAN_CHUNK, num_warps=4)
+    block_e = triton.next_power_of_2(num_experts)
     _place_kernel[grid](flat_ids, counts, sorted_pairs, block_expert, num_experts, num_pairs, slice_len,
-                        num_blocks, SPLITS=config.splits, BLOCK_E=triton.next_power_of_2(num_experts),
-                        BLOCK_M=block_m, CHUNK=SCAN_CHUNK, num_warps=4)
+                        num_blocks, SPLITS=config.splits, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=SCAN_CHUNK,
+                        COUNT_CHUNK=max(1, 4096 // block_e), num_warps=4)
     return sorted_pairs, block_expert
 
 

@@ -100,7 +100,7 @@ def test_route_empty():
 
 
 # ---- grouping -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [0, 1, 3])    # 0: the placing programs count
 def test_group_pairs_layout(splits):
     """Each expert's pairs in pair order from its group's start, padded with -1 to a multiple of BLOCK_M;
     blocks tagged with their expert, -1 past the last group; with 3000 pairs, scans of several chunks."""
