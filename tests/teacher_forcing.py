@@ -61,11 +61,14 @@ def hf_forced_logprobs(hf, prompts, continuations, num_forced=NUM_FORCED):
 
 def compare(ours, reference, margin=TIE_MARGIN) -> dict:
     """How two runs' log-probs agree: the share of decided positions (reference's top-1 leads by more than
-    `margin`), top-1 agreement on them, the largest gap of the reference top-1's log-prob, and mean KL."""
+    `margin`), top-1 agreement on them, the largest and 99th-percentile gap of the reference top-1's
+    log-prob, and mean KL."""
     top2 = reference.topk(2, dim=-1).values
     decided = (top2[..., 0] - top2[..., 1]) > margin
     same_top1 = ours.argmax(-1) == reference.argmax(-1)
     their_top = reference.argmax(-1, keepdim=True)
-    return dict(decided=decided.float().mean().item(), agreement=same_top1[decided].float().mean().item(),
-                top_logprob_diff=(ours.gather(-1, their_top) - reference.gather(-1, their_top)).abs().max().item(),
+    top_diff = (ours.gather(-1, their_top) - reference.gather(-1, their_top)).abs().flatten().float()
+    return dict(decided=decided.float().mean().item(),
+                agreement=same_top1[decided].sum().item() / max(1, decided.sum().item()),
+                top_logprob_diff=top_diff.max().item(), top_logprob_diff_p99=top_diff.quantile(0.99).item(),
                 kl=F.kl_div(ours, reference, log_target=True, reduction="none").sum(-1).mean().item())

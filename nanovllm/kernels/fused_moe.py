@@ -6,8 +6,8 @@ by k rounds of argmax (ties go to the lowest expert id), optionally renormalized
 `fused_moe` is four or five launches and never waits for the host, so a decode step replays in a CUDA graph;
 every grid depends on the token count T alone, and T-dependent integers are never specialized on:
 1. `_count_kernel`, a program per (expert, slice of the pairs): how many (token, slot) pairs chose it.
-   Skipped at decode (fewer than 16 rows per expert on average), where the placing programs count the
-   few pairs themselves: one launch fewer a layer in the weight-bound step.
+   Skipped for small batches (fewer than 4 rows per expert on average), where the placing programs
+   count the few pairs themselves: one launch fewer a layer in the weight-bound step.
 2. `_place_kernel`, the same grid: lays the pairs out expert by expert, each expert's group padded to a
    multiple of BLOCK_M rows (pads hold -1), in pair order, and tags every BLOCK_M-row block with its
    expert (-1 past the last group). Scans instead of atomics: the layout is the same on every call, and
@@ -60,6 +60,7 @@ class MoeConfig:
 # 2.66 ms against 2.99 with 128).
 CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
     (0, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4), splits=0)),
+    (4, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),     # the pairs outgrow the inline count
     (16, MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3))),
     (64, MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4), splits=4)),
     (256, MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), splits=16)),
