@@ -89,7 +89,7 @@ ROUTE_ROWS = 16        # tokens routed together: a [ROUTE_ROWS, experts] tile
 
 @triton.jit
 def _top_k_tile(logits_ptr, rows, num_tokens, num_experts, stride_row, TOP_K: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr):
+                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Rows `rows` of the router logits: each one's softmax in float32 and its top k by k rounds of argmax
     (ties to the lowest id), optionally renormalized: (weights, ids), [rows, BLOCK_K] each. Rows past the
     last token repeat the last one (their results are not to be used)."""
@@ -101,8 +101,8 @@ def _top_k_tile(logits_ptr, rows, num_tokens, num_experts, stride_row, TOP_K: tl
     p = tl.exp(x - tl.max(x, 1)[:, None])
     probs = tl.where(real[None, :], p / tl.sum(p, 1)[:, None], -1.0)    # pads below any probability, even 0
     slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    top_i = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, 1)
         idx = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_E), 1)
@@ -120,7 +120,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, str
                   ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     top_w, top_i = _top_k_tile(logits_ptr, rows, num_tokens, num_experts, stride_row, TOP_K, BLOCK_E, BLOCK_K,
-                               RENORMALIZE, ROWS)
+                               RENORMALIZE)
     slots = tl.arange(0, BLOCK_K)
     at = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     ok = (rows < num_tokens)[:, None] & (slots < TOP_K)[None, :]
@@ -167,7 +167,7 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts
                   num_blocks, logits_ptr, weights_ptr, num_tokens, stride_logits, SPLITS: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr,
                   ROUTE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, ROWS: tl.constexpr):
+                  RENORMALIZE: tl.constexpr):
     """sorted[group start of e + rank] = pair, for this slice's pairs of expert e, in pair order.
     ROUTE (few tokens): the pairs come from the router logits, which every program routes itself (expert
     0's also stores the weights): the route launch is saved too."""
@@ -177,12 +177,12 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts
     mine = experts == expert
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
     before = 0                                  # this expert's pairs in the slices before this one
-    rows = tl.arange(0, ROWS)
+    rows = tl.arange(0, ROUTE_ROWS)
     slots = tl.arange(0, BLOCK_K)
     if ROUTE:
-        for t in range(0, num_tokens, ROWS):
+        for t in range(0, num_tokens, ROUTE_ROWS):
             _, top_i = _top_k_tile(logits_ptr, t + rows, num_tokens, num_experts, stride_logits, TOP_K, BLOCK_E,
-                                   BLOCK_K, RENORMALIZE, ROWS)
+                                   BLOCK_K, RENORMALIZE)
             for j in tl.static_range(TOP_K):
                 ids = tl.sum(tl.where(slots[None, :] == j, top_i, 0), 1)
                 ids = tl.where(t + rows < num_tokens, ids, -1)
@@ -201,9 +201,9 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts
 
     placed = group + before
     if ROUTE:       # a token names an expert at most once: its pair order here is the token order
-        for t in range(0, num_tokens, ROWS):
+        for t in range(0, num_tokens, ROUTE_ROWS):
             top_w, top_i = _top_k_tile(logits_ptr, t + rows, num_tokens, num_experts, stride_logits, TOP_K,
-                                       BLOCK_E, BLOCK_K, RENORMALIZE, ROWS)
+                                       BLOCK_E, BLOCK_K, RENORMALIZE)
             ok = (t + rows < num_tokens)[:, None] & (slots < TOP_K)[None, :]
             chosen = (top_i == expert) & ok
             hit = tl.sum(chosen.to(tl.int32), 1)
@@ -262,8 +262,7 @@ def group_pairs(flat_ids: torch.Tensor | None, num_experts: int, config: MoeConf
                         num_pairs, slice_len, num_blocks, logits, weights, num_tokens, logits.stride(0),
                         SPLITS=config.splits, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=SCAN_CHUNK,
                         COUNT_CHUNK=max(1, 4096 // block_e), ROUTE=routing is not None, TOP_K=top_k,
-                        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, ROWS=ROUTE_ROWS,
-                        num_warps=4)
+                        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4)
     return sorted_pairs, block_expert
 
 
