@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py's floor uses)
-from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, fused_moe_routed, route  # noqa: E402
+from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, fused_moe, route  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
           "mixtral": dict(hidden=4096, inter=14336, experts=8, top_k=2)}
@@ -41,17 +41,16 @@ SWEEP = [MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
 
 
 def make_calls(shape, num_tokens, sets, config=None):
-    """`sets` calls of the MoE layer's kernels from its router logits (fused_moe_routed: route + fused_moe,
-    the routing inside the grouping kernel for few tokens), each on its own hidden states and logits; and
-    the distinct experts each one hits."""
+    """`sets` calls of route + fused_moe, each on its own hidden states and router logits; and the
+    distinct experts each one hits."""
     w13, w2 = shape["w13"], shape["w2"]
     calls, hit = [], []
     for _ in range(sets):
         x = torch.randn(num_tokens, shape["hidden"], device="cuda").bfloat16()
         logits = torch.randn(num_tokens, shape["experts"], device="cuda")
         hit.append(route(logits, shape["top_k"], True)[1].unique().numel())
-        calls.append(lambda x=x, logits=logits: fused_moe_routed(x, w13, w2, logits, shape["top_k"], True,
-                                                                  config=config))
+        calls.append(lambda x=x, logits=logits: fused_moe(x, w13, w2, *route(logits, shape["top_k"], True),
+                                                           config=config))
     return calls, hit
 
 

@@ -1,15 +1,13 @@
 """Fused mixture-of-experts kernels: the router's top-k and the experts' grouped SwiGLU GEMMs.
 
-`route` is one launch: a program per 16 tokens takes each one's softmax over the experts in float32 and its
-top k by k rounds of argmax (ties go to the lowest expert id), optionally renormalized.
+`route` is one launch: a program per token takes the softmax over the experts in float32 and its top k
+by k rounds of argmax (ties go to the lowest expert id), optionally renormalized.
 
-`fused_moe` (given the top-k) and `fused_moe_routed` (given the router logits: the MoE layer's entry) never
-wait for the host, so a decode step replays in a CUDA graph; every grid depends on the token count T alone,
-and T-dependent integers are never specialized on:
+`fused_moe` is four or five launches and never waits for the host, so a decode step replays in a CUDA graph;
+every grid depends on the token count T alone, and T-dependent integers are never specialized on:
 1. `_count_kernel`, a program per (expert, slice of the pairs): how many (token, slot) pairs chose it.
    Skipped for small batches (fewer than 4 rows per expert on average), where the placing programs
-   count the few pairs themselves; `fused_moe_routed` then has them route the tokens too, so a decode
-   step's MoE layer is three launches and the k-sum (route, count and place folded into one).
+   count the few pairs themselves: one launch fewer a layer in the weight-bound step.
 2. `_place_kernel`, the same grid: lays the pairs out expert by expert, each expert's group padded to a
    multiple of BLOCK_M rows (pads hold -1), in pair order, and tags every BLOCK_M-row block with its
    expert (-1 past the last group). Scans instead of atomics: the layout is the same on every call, and
@@ -24,10 +22,10 @@ and T-dependent integers are never specialized on:
 The roundings are the torch oracle's (nanovllm.layers.fused_moe): gate, up, silu(gate), the product,
 the expert's output and its weighted value are each rounded to the input dtype; the k-sum once.
 
-Tiles are chosen on the rows an expert sees on average, T*k/E (CONFIGS): decode (few pairs per expert) takes
-16- or 32-row blocks and long K steps, so that enough programs stream the experts' weights; prefill takes
-64/128-row tensor-core tiles. float32 inputs take exact (IEEE) dots on smaller tiles. On CPU tensors (Triton's
-interpreter, the tests) bfloat16 dots are widened and roundings done by hand: the interpreter gets both wrong.
+Tiles are chosen on the rows an expert sees on average, T*k/E (CONFIGS): decode (few pairs per expert) takes 16- or 32-row blocks and long
+K steps, so that enough programs stream the experts' weights; prefill takes 64/128-row tensor-core tiles.
+float32 inputs take exact (IEEE) dots on smaller tiles. On CPU tensors (Triton's interpreter, the
+tests) bfloat16 dots are widened and roundings done by hand: the interpreter gets both wrong.
 """
 from dataclasses import dataclass, replace
 
@@ -84,48 +82,28 @@ def choose_config(num_tokens: int, dtype: torch.dtype, top_k: int, num_experts: 
 
 
 # ---- routing --------------------------------------------------------------------------------------------
-ROUTE_ROWS = 16        # tokens routed together: a [ROUTE_ROWS, experts] tile
-
-
 @triton.jit
-def _top_k_tile(logits_ptr, rows, num_tokens, num_experts, stride_row, TOP_K: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Rows `rows` of the router logits: each one's softmax in float32 and its top k by k rounds of argmax
-    (ties to the lowest id), optionally renormalized: (weights, ids), [rows, BLOCK_K] each. Rows past the
-    last token repeat the last one (their results are not to be used)."""
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     real = experts < num_experts
-    safe_rows = tl.minimum(rows, num_tokens - 1).to(tl.int64)
-    x = tl.load(logits_ptr + safe_rows[:, None] * stride_row + experts[None, :], mask=real[None, :],
-                other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    probs = tl.where(real[None, :], p / tl.sum(p, 1)[:, None], -1.0)    # pads below any probability, even 0
+    x = tl.load(logits_ptr + row * stride_row + experts, mask=real, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    probs = tl.where(real, p / tl.sum(p, 0), -1.0)        # pads below any probability, even 0
     slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
-    top_i = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 1)
-        idx = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_E), 1)
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, idx[:, None], top_i)
-        probs = tl.where(experts[None, :] == idx[:, None], -2.0, probs)          # taken
+        best = tl.max(probs, 0)
+        idx = tl.min(tl.where(probs == best, experts, BLOCK_E), 0)     # ties: the lowest id
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        probs = tl.where(experts == idx, -2.0, probs)                  # taken
     if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 1)[:, None]
-    return top_w, top_i
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_row, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    top_w, top_i = _top_k_tile(logits_ptr, rows, num_tokens, num_experts, stride_row, TOP_K, BLOCK_E, BLOCK_K,
-                               RENORMALIZE)
-    slots = tl.arange(0, BLOCK_K)
-    at = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    ok = (rows < num_tokens)[:, None] & (slots < TOP_K)[None, :]
-    tl.store(weights_ptr + at, top_w, mask=ok)
-    tl.store(ids_ptr + at, top_i, mask=ok)
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, top_i, mask=slots < TOP_K)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +117,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     if num_tokens:
-        _route_kernel[(triton.cdiv(num_tokens, ROUTE_ROWS),)](
-            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
-            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-            RENORMALIZE=renormalize, ROWS=ROUTE_ROWS, num_warps=4)
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
+                                     TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+                                     RENORMALIZE=renormalize, num_warps=1 if block_e <= 256 else 4)
     return weights, ids
 
 
@@ -162,32 +140,18 @@ def _count_kernel(ids_ptr, counts_ptr, num_experts, num_pairs, slice_len, CHUNK:
     tl.store(counts_ptr + split * num_experts + expert, tl.sum(hits, 0))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "slice_len", "num_blocks", "num_tokens"])
+@triton.jit(do_not_specialize=["num_pairs", "slice_len", "num_blocks"])
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts, num_pairs, slice_len,
-                  num_blocks, logits_ptr, weights_ptr, num_tokens, stride_logits, SPLITS: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr,
-                  ROUTE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
-    """sorted[group start of e + rank] = pair, for this slice's pairs of expert e, in pair order.
-    ROUTE (few tokens): the pairs come from the router logits, which every program routes itself (expert
-    0's also stores the weights): the route launch is saved too."""
+                  num_blocks, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr):
+    """sorted[group start of e + rank] = pair, for this slice's pairs of expert e, in pair order."""
     expert = tl.program_id(0)
     split = tl.program_id(1)
     experts = tl.arange(0, BLOCK_E)
     mine = experts == expert
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
     before = 0                                  # this expert's pairs in the slices before this one
-    rows = tl.arange(0, ROUTE_ROWS)
-    slots = tl.arange(0, BLOCK_K)
-    if ROUTE:
-        for t in range(0, num_tokens, ROUTE_ROWS):
-            _, top_i = _top_k_tile(logits_ptr, t + rows, num_tokens, num_experts, stride_logits, TOP_K, BLOCK_E,
-                                   BLOCK_K, RENORMALIZE)
-            for j in tl.static_range(TOP_K):
-                ids = tl.sum(tl.where(slots[None, :] == j, top_i, 0), 1)
-                ids = tl.where(t + rows < num_tokens, ids, -1)
-                totals += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
-    elif SPLITS == 0:   # few pairs (decode): every program counts them all itself, one launch fewer
+    if SPLITS == 0:     # few pairs (decode): every program counts them all itself, one launch fewer
         for begin in range(0, num_pairs, COUNT_CHUNK):
             pairs = begin + tl.arange(0, COUNT_CHUNK)
             ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
@@ -200,26 +164,13 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts
     group = tl.sum(tl.where(mine, tl.cumsum(padded, 0) - padded, 0), 0)     # exclusive prefix sum
 
     placed = group + before
-    if ROUTE:       # a token names an expert at most once: its pair order here is the token order
-        for t in range(0, num_tokens, ROUTE_ROWS):
-            top_w, top_i = _top_k_tile(logits_ptr, t + rows, num_tokens, num_experts, stride_logits, TOP_K,
-                                       BLOCK_E, BLOCK_K, RENORMALIZE)
-            ok = (t + rows < num_tokens)[:, None] & (slots < TOP_K)[None, :]
-            chosen = (top_i == expert) & ok
-            hit = tl.sum(chosen.to(tl.int32), 1)
-            slot = tl.sum(tl.where(chosen, slots[None, :], 0), 1)
-            tl.store(sorted_ptr + placed + tl.cumsum(hit, 0) - 1, (t + rows) * TOP_K + slot, mask=hit != 0)
-            placed += tl.sum(hit, 0)
-            if expert == 0:
-                tl.store(weights_ptr + (t + rows).to(tl.int64)[:, None] * TOP_K + slots[None, :], top_w, mask=ok)
-    else:
-        start = split * slice_len
-        end = tl.minimum(start + slice_len, num_pairs)
-        for begin in range(start, end, CHUNK):
-            pairs = begin + tl.arange(0, CHUNK)
-            hit = (tl.load(ids_ptr + pairs, mask=pairs < end, other=-1) == expert).to(tl.int32)
-            tl.store(sorted_ptr + placed + tl.cumsum(hit, 0) - 1, pairs, mask=hit != 0)
-            placed += tl.sum(hit, 0)
+    start = split * slice_len
+    end = tl.minimum(start + slice_len, num_pairs)
+    for begin in range(start, end, CHUNK):
+        pairs = begin + tl.arange(0, CHUNK)
+        hit = (tl.load(ids_ptr + pairs, mask=pairs < end, other=-1) == expert).to(tl.int32)
+        tl.store(sorted_ptr + placed + tl.cumsum(hit, 0) - 1, pairs, mask=hit != 0)
+        placed += tl.sum(hit, 0)
 
     if split == 0:
         count = tl.sum(tl.where(mine, totals, 0), 0)
@@ -235,20 +186,12 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_experts
                 tl.store(block_expert_ptr + blocks, -1, mask=blocks < num_blocks)
 
 
-def group_pairs(flat_ids: torch.Tensor | None, num_experts: int, config: MoeConfig,
-                routing: tuple[torch.Tensor, int, bool, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_pairs(flat_ids: torch.Tensor, num_experts: int, config: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted pair ids [blocks * BLOCK_M], -1 in pads; expert of each block [blocks], -1 past the end)
-    for the pairs' expert ids flat_ids [T*k] (int32). `routing` = (router logits [T, E], k, renormalize,
-    weights out [T*k]) instead of flat_ids (configs with splits=0 only): the placing programs route."""
-    if routing is not None:
-        logits, top_k, renormalize, weights = routing
-        assert config.splits == 0 and logits.stride(1) == 1
-        num_tokens, num_pairs = logits.shape[0], logits.shape[0] * top_k
-    else:
-        logits, top_k, renormalize, weights, num_tokens, num_pairs = flat_ids, 1, False, flat_ids, 0, flat_ids.numel()
-    block_m = config.block_m
+    for the pairs' expert ids flat_ids [T*k] (int32)."""
+    num_pairs, block_m = flat_ids.numel(), config.block_m
     num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    device = logits.device
+    device = flat_ids.device
     splits = max(config.splits, 1)
     counts = torch.empty(splits, num_experts, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
@@ -258,11 +201,9 @@ def group_pairs(flat_ids: torch.Tensor | None, num_experts: int, config: MoeConf
     if config.splits:
         _count_kernel[grid](flat_ids, counts, num_experts, num_pairs, slice_len, CHUNK=SCAN_CHUNK, num_warps=4)
     block_e = triton.next_power_of_2(num_experts)
-    _place_kernel[grid](flat_ids if routing is None else counts, counts, sorted_pairs, block_expert, num_experts,
-                        num_pairs, slice_len, num_blocks, logits, weights, num_tokens, logits.stride(0),
-                        SPLITS=config.splits, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=SCAN_CHUNK,
-                        COUNT_CHUNK=max(1, 4096 // block_e), ROUTE=routing is not None, TOP_K=top_k,
-                        BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=4)
+    _place_kernel[grid](flat_ids, counts, sorted_pairs, block_expert, num_experts, num_pairs, slice_len,
+                        num_blocks, SPLITS=config.splits, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=SCAN_CHUNK,
+                        COUNT_CHUNK=max(1, 4096 // block_e), num_warps=4)
     return sorted_pairs, block_expert
 
 
@@ -396,52 +337,22 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) for hidden_states [T, H],
     w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; [T, H] in hidden_states' dtype. topk_ids
     int32 or int64. `config` overrides the tiles chosen for T (benchmark sweeps, tests)."""
-    num_tokens, top_k = topk_ids.shape
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts, double_inter, _ = w13.shape
+    inter_size, top_k = double_inter // 2, topk_ids.shape[1]
+    dtype, device = hidden_states.dtype, hidden_states.device
+    assert w13.shape == (num_experts, 2 * inter_size, hidden_size) and w2.shape == (num_experts, hidden_size, inter_size)
+    assert w13.dtype == w2.dtype == dtype and w13.is_contiguous() and w2.is_contiguous()
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
-    config = _checked_config(hidden_states, w13, w2, top_k, config)
     if num_tokens == 0:
-        return hidden_states.new_empty(0, hidden_states.shape[1])
+        return torch.empty(0, hidden_size, dtype=dtype, device=device)
+    if hidden_states.stride(1) != 1:
+        hidden_states = hidden_states.contiguous()
+    config = config or choose_config(num_tokens, dtype, top_k, num_experts)
     # no copies for the kernels' route (int32 ids, float32 weights, contiguous)
     flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)
     flat_weights = topk_weights.to(torch.float32).contiguous().view(-1)
-    sorted_pairs, block_expert = group_pairs(flat_ids, w13.shape[0], config)
-    return _experts(_rows_contiguous(hidden_states), w13, w2, flat_weights, sorted_pairs, block_expert, top_k, config)
-
-
-def fused_moe_routed(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
-                     top_k: int, renormalize: bool, config: MoeConfig | None = None) -> torch.Tensor:
-    """route, then fused_moe: the MoE layer from its router logits [T, E]. For few tokens (configs with
-    splits=0) the grouping kernel routes as it groups: three launches and the k-sum in all."""
-    num_tokens = router_logits.shape[0]
-    config = _checked_config(hidden_states, w13, w2, top_k, config)
-    if config.splits or num_tokens == 0:
-        return fused_moe(hidden_states, w13, w2, *route(router_logits, top_k, renormalize), config)
-    flat_weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=hidden_states.device)
-    sorted_pairs, block_expert = group_pairs(None, w13.shape[0], config,
-                                             (router_logits.contiguous(), top_k, renormalize, flat_weights))
-    return _experts(_rows_contiguous(hidden_states), w13, w2, flat_weights, sorted_pairs, block_expert, top_k, config)
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
-def _checked_config(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                    config: MoeConfig | None) -> MoeConfig:
-    num_tokens, hidden_size = hidden_states.shape
-    num_experts, double_inter, _ = w13.shape
-    inter_size = double_inter // 2
-    assert w13.shape == (num_experts, 2 * inter_size, hidden_size) and w2.shape == (num_experts, hidden_size, inter_size)
-    assert w13.dtype == w2.dtype == hidden_states.dtype and w13.is_contiguous() and w2.is_contiguous()
-    return config or choose_config(num_tokens, hidden_states.dtype, top_k, num_experts)
-
-
-def _experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, flat_weights: torch.Tensor,
-             sorted_pairs: torch.Tensor, block_expert: torch.Tensor, top_k: int, config: MoeConfig) -> torch.Tensor:
-    """The grouped GEMMs and the k-sum, given the pairs grouped by expert."""
-    num_tokens, hidden_size = hidden_states.shape
-    inter_size = w13.shape[1] // 2
-    dtype, device = hidden_states.dtype, hidden_states.device
+    sorted_pairs, block_expert = group_pairs(flat_ids, num_experts, config)
     num_blocks, num_pairs = block_expert.numel(), num_tokens * top_k
     precision = _precision(dtype, device)
 

@@ -90,8 +90,8 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if hidden_states.is_cuda:
             from nanovllm.kernels import fused_moe as kernels
-            out = kernels.fused_moe_routed(hidden_states, self.w13_weight, self.w2_weight, router_logits,
-                                           self.top_k, self.renormalize)
+            topk_weights, topk_ids = kernels.route(router_logits, self.top_k, self.renormalize)
+            out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
             topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
             out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

@@ -162,22 +162,6 @@ def test_fused_moe_uneven_loads(dtype):
     _moe_vs_oracle(x, w13, w2, weights, skewed, SMALL)
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 16, 4), (33, 60, 1), (40, 64, 4)])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_fused_moe_routed_is_route_then_fused_moe(num_tokens, num_experts, top_k, renormalize):
-    """The layer's entry: from router logits. For few rows per expert the grouping kernel routes as it groups
-    (33 and 40 tokens: several 16-token tiles); the same bits as route() then fused_moe()."""
-    hidden, inter, dtype = 32, 16, torch.bfloat16
-    assert choose_config(num_tokens, dtype, top_k, num_experts).splits == 0
-    w13, w2 = _weights(num_experts, hidden, inter, dtype)
-    g = torch.Generator(DEVICE).manual_seed(num_tokens)
-    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=g).to(dtype)
-    logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=g).to(dtype)
-    out = kernels.fused_moe_routed(x, w13, w2, logits, top_k, renormalize)
-    assert torch.equal(out, kernels.fused_moe(x, w13, w2, *kernels.route(logits, top_k, renormalize)))
-    _check(out, oracle.fused_moe(x, w13, w2, *oracle.route(logits, top_k, renormalize)), 2)
-
-
 def test_fused_moe_no_tokens():
     w13, w2 = _weights(4, 32, 16, torch.float32)
     out = kernels.fused_moe(torch.empty(0, 32, device=DEVICE), w13, w2, torch.empty(0, 2, device=DEVICE),
@@ -228,18 +212,6 @@ def test_gpu_qwen_shape(qwen_weights, num_tokens):
 
 
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [1, 16, 63, 64])
-def test_gpu_routed_entry(qwen_weights, num_tokens):
-    """fused_moe_routed (routing inside the grouping kernel below 64 tokens) against route + fused_moe."""
-    w13, w2 = qwen_weights
-    x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
-    logits = torch.randn(num_tokens, QWEN["num_experts"], device="cuda").bfloat16()
-    out = kernels.fused_moe_routed(x, w13, w2, logits, QWEN["top_k"], True)
-    torch.testing.assert_close(out, kernels.fused_moe(x, w13, w2, *kernels.route(logits, QWEN["top_k"], True)),
-                               rtol=2 ** -7, atol=1e-3)
-
-
-@needs_cuda
 def test_gpu_qwen_one_expert(qwen_weights):
     """256 tokens on one expert (16+ row blocks of one group), and all 8 slots on it (127 experts empty)."""
     w13, w2 = qwen_weights
@@ -272,7 +244,8 @@ def test_gpu_cuda_graph_replay(qwen_weights):
     logits = torch.randn(64, QWEN["num_experts"], device="cuda")
 
     def step():
-        return kernels.fused_moe_routed(x, w13, w2, logits, QWEN["top_k"], True)
+        weights, ids = kernels.route(logits, QWEN["top_k"], True)
+        return kernels.fused_moe(x, w13, w2, weights, ids)
     step()                                                                      # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -293,8 +266,8 @@ def test_gpu_no_compilation_past_warm_up(qwen_weights):
 
     def step(num_tokens):
         x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
-        logits = torch.randn(num_tokens, QWEN["num_experts"], device="cuda").bfloat16()
-        kernels.fused_moe_routed(x, w13, w2, logits, 8, True)
+        weights, ids = kernels.route(torch.randn(num_tokens, QWEN["num_experts"], device="cuda"), 8, True)
+        kernels.fused_moe(x, w13, w2, weights, ids)
     for t in config_token_counts(8, QWEN["num_experts"]):
         step(t)
     compiled = []
