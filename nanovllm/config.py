@@ -90,12 +90,12 @@ class Config:
 
         self._resolve_device()
         self.hf_config = AutoConfig.from_pretrained(self.model)
-        model = model_class(self.hf_config)       # a clear error for architectures and variants we lack
+        model_cls = model_class(self.hf_config)   # a clear error for architectures and variants we lack
         if "sliding_attention" in (getattr(self.hf_config, "layer_types", None) or []):
             raise ValueError(f"{self.model!r} uses sliding-window attention layers, which are not supported")
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        if hasattr(model, "check_config"):
-            model.check_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
+        if hasattr(model_cls, "check_config"):
+            model_cls.check_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
         self._resolve_dtype()
         self._resolve_kv_cache_dtype()
         self._resolve_attention_backend()
