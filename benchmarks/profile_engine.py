@@ -14,7 +14,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import MAX_MODEL_LEN, RANDOM_SHAPES, WORKLOAD_MAX_MODEL_LEN, WORKLOADS, default_model, draw_workload  # noqa: E402
+from bench import (DUMMY_SHAPES, MAX_MODEL_LEN, RANDOM_SHAPES, WORKLOAD_MAX_MODEL_LEN, WORKLOADS,  # noqa: E402
+                   default_model, draw_workload)
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.model_runner import SampledTokens  # noqa: E402
 
@@ -56,8 +57,10 @@ def main() -> None:
     model = args.model or default_model("cuda", args.shape)
     workload = draw_workload(args.workload, "cuda", num_seqs=args.num_seqs, max_input_len=1024, max_output_len=1024)
     max_model_len = MAX_MODEL_LEN if args.workload == "standard" else WORKLOAD_MAX_MODEL_LEN
+    load_format = "dummy" if args.model is None and args.shape in DUMMY_SHAPES else "auto"   # config-only shapes
     llm = LLM(str(model), max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, disable_custom_all_reduce=args.disable_custom_all_reduce)
+              enforce_eager=args.enforce_eager, disable_custom_all_reduce=args.disable_custom_all_reduce,
+              load_format=load_format)
     temperature = 0.6 if workload.temperature is None else workload.temperature
     llm.generate(["warmup"], SamplingParams(max_tokens=4), use_tqdm=False)
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):
