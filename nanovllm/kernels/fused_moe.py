@@ -124,44 +124,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-# ---- the router's logits for a few tokens ---------------------------------------------------------------
-ROUTER_GEMV_MAX_TOKENS = 16     # up to here router_logits beats cuBLAS (5 us a layer at one token on an H200)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _router_kernel(x_ptr, w_ptr, out_ptr, num_tokens, num_experts, hidden_size, stride_x, stride_out,
-                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Logits of BLOCK_E experts for one token: dot products over the hidden size in float32."""
-    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    token = tl.program_id(1).to(tl.int64)
-    real = experts < num_experts
-    cols = tl.arange(0, BLOCK_H)
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for k in range(0, hidden_size, BLOCK_H):
-        inside = k + cols < hidden_size
-        x = tl.load(x_ptr + token * stride_x + k + cols, mask=inside, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts.to(tl.int64)[:, None] * hidden_size + k + cols[None, :],
-                    mask=real[:, None] & inside[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], 1)
-    tl.store(out_ptr + token * stride_out + experts, acc.to(out_ptr.dtype.element_ty), mask=real)
-
-
-def router_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden_states [T, H] @ weight [E, H]^T in float32, rounded to the input dtype: the router's GEMV for
-    a few tokens (ROUTER_GEMV_MAX_TOKENS), spread over E/8 programs a token where cuBLAS's GEMM at one token
-    is all latency."""
-    num_tokens, hidden_size = hidden_states.shape
-    num_experts = weight.shape[0]
-    assert weight.shape == (num_experts, hidden_size) and weight.is_contiguous() and hidden_states.stride(1) == 1
-    out = torch.empty(num_tokens, num_experts, dtype=hidden_states.dtype, device=hidden_states.device)
-    if num_tokens:
-        block_e = 8
-        _router_kernel[(triton.cdiv(num_experts, block_e), num_tokens)](
-            hidden_states, weight, out, num_tokens, num_experts, hidden_size, hidden_states.stride(0),
-            out.stride(0), BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hidden_size)), num_warps=4)
-    return out
-
-
 # ---- grouping the pairs by expert -----------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_pairs", "slice_len"])
 def _count_kernel(ids_ptr, counts_ptr, num_experts, num_pairs, slice_len, CHUNK: tl.constexpr):

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels import fused_moe as kernels
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.parallel import current_group
 
@@ -90,6 +89,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if hidden_states.is_cuda:
+            from nanovllm.kernels import fused_moe as kernels
             topk_weights, topk_ids = kernels.route(router_logits, self.top_k, self.renormalize)
             out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
@@ -110,17 +110,15 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.is_cuda and hidden_states.shape[0] <= kernels.ROUTER_GEMV_MAX_TOKENS:
-            # a decode step's router: one short kernel where cuBLAS's GEMM is all latency
-            return self.experts(hidden_states, kernels.router_logits(hidden_states, self.gate.weight))
         return self.experts(hidden_states, self.gate(hidden_states))
 
 
 def moe_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
     """One token count per compiled variant of the MoE kernels, for a model with MoE layers (else none):
     the engine runs each at start-up, so that no request pays for a compilation."""
+    from nanovllm.kernels.fused_moe import config_token_counts
     shapes = {(m.top_k, m.num_experts) for m in model.modules() if isinstance(m, FusedMoE)}
-    return tuple(sorted({t for shape in shapes for t in kernels.config_token_counts(*shape)}))
+    return tuple(sorted({t for shape in shapes for t in config_token_counts(*shape)}))
 
 
 def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:
