@@ -7,19 +7,12 @@ expert's intermediate dimension over the ranks, as a dense MLP's, and sums the p
 all-reduce; the router is replicated. On a GPU the Triton kernels in nanovllm.kernels.fused_moe do the
 routing and the grouped GEMMs; the torch functions here are the CPU path and the kernels' oracle.
 """
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.parallel import current_group
-
-# a checkpoint's per-expert tensor: "...experts.{e}.{name}.weight" (Qwen: gate_proj/up_proj/down_proj,
-# Mixtral: w1/w3/w2)
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
-
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top_k experts by softmax probability (in float32, largest first), and their
@@ -119,14 +112,3 @@ def moe_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
     from nanovllm.kernels.fused_moe import config_token_counts
     shapes = {(m.top_k, m.num_experts) for m in model.modules() if isinstance(m, FusedMoE)}
     return tuple(sorted({t for shape in shapes for t in config_token_counts(*shape)}))
-
-
-def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:
-    """A per-expert checkpoint tensor's (parameter name, expert, shard), or None for other tensors.
-    `shards` maps the checkpoint's projection names to "gate", "up" and "down"."""
-    match = _EXPERT_TENSOR.match(name)
-    if match is None or match["name"] not in shards:
-        return None
-    shard = shards[match["name"]]
-    param = "w2_weight" if shard == "down" else "w13_weight"
-    return f"{match['prefix']}.{param}", int(match["expert"]), shard

@@ -1,10 +1,16 @@
 """Load safetensors weights into a model, letting each parameter's weight_loader take its shard."""
+import re
 from glob import glob
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+# a checkpoint's per-expert tensor: "...experts.{e}.{name}.weight" (Qwen: gate_proj/up_proj/down_proj,
+# Mixtral: w1/w3/w2); the model's stacked parameters are "...experts.w13_weight" (gate, up) and "w2_weight"
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
+_STACKED_SHARDS = {"w13_weight": ("gate", "up"), "w2_weight": ("down",)}
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -18,8 +24,6 @@ def load_model(model: nn.Module, path: str) -> None:
     """Packed modules (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are mapped through the model's
     `packed_modules_mapping`, per-expert tensors of MoE families into the stacked experts through its
     `expert_shards`; names the model does not have (e.g. rotary caches) are skipped."""
-    from nanovllm.layers.fused_moe import expert_tensor
-
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = getattr(model, "renamed_modules", {})
     expert_shards = getattr(model, "expert_shards", {})
@@ -60,7 +64,7 @@ def load_model(model: nn.Module, path: str) -> None:
 
 def _experts_complete(name: str, param: nn.Parameter, loaded: set) -> bool:
     """Whether a stacked experts parameter got every expert's every shard."""
-    shards = {"w13_weight": ("gate", "up"), "w2_weight": ("down",)}.get(name.rsplit(".", 1)[-1])
+    shards = _STACKED_SHARDS.get(name.rsplit(".", 1)[-1])
     return shards is not None and all((name, e, s) in loaded for e in range(param.shape[0]) for s in shards)
 
 
@@ -76,3 +80,14 @@ def load_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             param.data.fill_(1.0 if "norm" in name else 0.0)
         else:
             param.data.normal_(0.0, std, generator=generator)
+
+
+def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:
+    """A per-expert checkpoint tensor's (parameter name, expert, shard), or None for other tensors.
+    `shards` maps the checkpoint's projection names to "gate", "up" and "down"."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None or match["name"] not in shards:
+        return None
+    shard = shards[match["name"]]
+    param = "w2_weight" if shard == "down" else "w13_weight"
+    return f"{match['prefix']}.{param}", int(match["expert"]), shard
