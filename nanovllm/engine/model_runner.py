@@ -122,18 +122,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
-        seqs = [Sequence([0] * seq_len, SamplingParams(), self.block_size) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
+        budget = seq_len * max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
+        self._warm_prefill(budget)
         for num_tokens in moe_warmup_token_counts(self.model):   # each MoE kernel variant a batch can reach
-            if num_tokens < seq_len * num_seqs:
+            if num_tokens < budget:
                 self._warm_prefill(num_tokens)
         torch.cuda.empty_cache()
 
     def _warm_prefill(self, num_tokens: int) -> None:
-        """A prefill of num_tokens tokens in all, as sequences of at most max_model_len tokens."""
+        """A prefill of num_tokens tokens in all, as sequences of at most max_model_len tokens (the budget's:
+        as many sequences of seq_len as fit, or one shorter one)."""
         longest = self.config.max_model_len
         seqs = []
         while num_tokens > 0:
