@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.models import model_class
+from nanovllm.layers.quantization import WeightQuantization, resolve_weight_quantization
+from nanovllm.models import MOE_ARCHITECTURES, model_class
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,7 +58,9 @@ class Config:
     enable_prefix_caching: bool = True
     disable_custom_all_reduce: bool = False
     load_format: str = "auto"
+    quantization: str | None = None     # "fp8": FP8 weights (online from bf16); an FP8 checkpoint is FP8 anyway
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    weight_quantization: WeightQuantization | None = field(init=False, default=None)
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     @classmethod
@@ -97,6 +100,7 @@ class Config:
         if hasattr(model_cls, "check_config"):
             model_cls.check_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
         self._resolve_dtype()
+        self._resolve_quantization()
         self._resolve_kv_cache_dtype()
         self._resolve_attention_backend()
         self._check_tensor_parallel()
@@ -128,6 +132,24 @@ class Config:
             self.dtype = DTYPES[self.dtype]
         else:
             raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype!r}")
+
+    def _resolve_quantization(self) -> None:
+        """FP8 weights: what the checkpoint's quantization_config says (refused by name unless it is a scheme
+        layers/quantization.py runs), or quantization="fp8" on an unquantized checkpoint (online, per channel).
+        `quantization` ends up "fp8" exactly when the weights will be."""
+        where = f"{self.model!r}'s config.json"
+        self.weight_quantization = resolve_weight_quantization(self.hf_config, self.quantization, where,
+                                                               self.load_format)
+        self.quantization = "fp8" if self.weight_quantization else None
+        if self.weight_quantization is None:
+            return
+        moe = [a for a in getattr(self.hf_config, "architectures", None) or [] if a in MOE_ARCHITECTURES]
+        if moe:
+            raise ValueError(f"FP8 weights are not supported for mixture-of-experts models ({moe[0]}) yet: FP8 "
+                             f"experts are not implemented")
+        if self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "
+                             f"is {'.'.join(map(str, torch.cuda.get_device_capability()))}")
 
     def _resolve_kv_cache_dtype(self) -> None:
         """"auto": the model's dtype; "fp8": float8_e4m3fn, K and V stored as they are (scale 1.0) and

@@ -3,11 +3,17 @@
 Column-parallel layers split the output features (no communication); row-parallel layers split the
 input features and all-reduce their partial sums. Each parameter's `weight_loader` copies its own
 shard out of a full checkpoint tensor.
+
+A model built under an FP8 weight quantization (layers/quantization.py) gets these layers with e4m3 weights
+and their scales, split over the ranks with the weights; ReplicatedLinear (the MoE router) stays in the
+model's dtype.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.quantization import (create_fp8_weights, current_quantization, fp8_linear,
+                                          quantize_after_loading)
 from nanovllm.utils.parallel import current_group
 
 
@@ -17,13 +23,22 @@ def _divide(numerator: int, denominator: int) -> int:
 
 
 class LinearBase(nn.Module):
+    quantizable = True      # False: never FP8 (ReplicatedLinear: the MoE router, kept precise as in vLLM)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None,
+                 output_parts: list[int] | None = None):
+        """input_size, output_size: this rank's; output_parts: this rank's share of each merged output."""
         super().__init__()
         self.tp = current_group()
         self.tp_dim = tp_dim
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = self.weight_loader
+        self.input_size, self.output_size = input_size, output_size
+        self.quantization = current_quantization() if self.quantizable else None
+        if self.quantization is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size))
+            self.weight.weight_loader = self.weight_loader
+        else:
+            create_fp8_weights(self, self.quantization, output_parts or [output_size], input_size, self.tp.size,
+                               input_split=tp_dim == 1)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -32,18 +47,33 @@ class LinearBase(nn.Module):
 
     def _copy_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, offset: int, size: int,
                     shard_index: int) -> None:
-        """Copy this rank's slice (shard_index of loaded_weight along tp_dim) into param[offset:offset+size]."""
+        """Copy this rank's slice (shard_index of loaded_weight along tp_dim) into param[offset:offset+size].
+        offset and size count weight rows (columns for row-parallel layers); an FP8 block-scale parameter's
+        entries each cover `shard_unit` (128) of them (shards start on blocks: create_fp8_weights checks)."""
+        unit = getattr(param, "shard_unit", 1)
+        offset, size = offset // unit, -(-size // unit)
         target = param.data.narrow(self.tp_dim, offset, size)
         source = loaded_weight.narrow(self.tp_dim, shard_index * size, size)
         if target.shape != source.shape:
             raise ValueError(f"checkpoint shard {tuple(source.shape)} does not fit {tuple(target.shape)}")
+        if target.dtype == torch.float8_e4m3fn and source.dtype != target.dtype:
+            raise ValueError(f"checkpoint tensor of dtype {source.dtype} for an FP8 weight: its quantization_config "
+                             f"says the layer is quantized")
         target.copy_(source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantization is not None:
+            return fp8_linear(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def process_weights_after_loading(self) -> None:
+        """Called by the loader once every checkpoint tensor is in: online FP8 quantization happens here."""
+        if self.quantization is not None:
+            quantize_after_loading(self, self.quantization)
 
 
 class ReplicatedLinear(LinearBase):
+    quantizable = False
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         param.data.copy_(loaded_weight)
@@ -51,13 +81,13 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, output_parts: list[int] | None = None):
         tp = current_group()
-        super().__init__(input_size, _divide(output_size, tp.size), bias, tp_dim=0)
+        super().__init__(input_size, _divide(output_size, tp.size), bias, tp_dim=0,
+                         output_parts=output_parts and [_divide(part, tp.size) for part in output_parts])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        size = param.data.size(self.tp_dim)
-        self._copy_shard(param, loaded_weight, 0, size, self.tp.rank)
+        self._copy_shard(param, loaded_weight, 0, self.output_size, self.tp.rank)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -65,7 +95,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, output_parts=output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
         offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp.size
@@ -83,7 +113,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(total_num_heads, tp.size)
         self.num_kv_heads = _divide(total_num_kv_heads, tp.size)
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias)
+        kv = total_num_kv_heads * head_size
+        super().__init__(hidden_size, output_size, bias, output_parts=[total_num_heads * head_size, kv, kv])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
@@ -98,12 +129,14 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, tp.size), output_size, bias, tp_dim=1)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if param.data.dim() == 1:               # the bias is added once, on rank 0's partial sum
+        if param.data.dim() == 1:   # the bias (added once, on rank 0's partial sum) or per-channel FP8 scales
+            if param.shape != loaded_weight.shape:
+                raise ValueError(f"checkpoint tensor {tuple(loaded_weight.shape)} does not fit {tuple(param.shape)}")
             param.data.copy_(loaded_weight)
             return
-        size = param.data.size(self.tp_dim)
-        self._copy_shard(param, loaded_weight, 0, size, self.tp.rank)
+        self._copy_shard(param, loaded_weight, 0, self.input_size, self.tp.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        bias = self.bias if self.tp.rank == 0 else None
+        y = F.linear(x, self.weight, bias) if self.quantization is None else fp8_linear(self, x, bias)
         return self.tp.all_reduce(y)

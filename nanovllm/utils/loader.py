@@ -1,4 +1,5 @@
-"""Load safetensors weights into a model, letting each parameter's weight_loader take its shard."""
+"""Load safetensors weights into a model, letting each parameter's weight_loader take its shard, then let
+each module finish its weights (`process_weights_after_loading`: online FP8 quantization)."""
 import re
 from glob import glob
 from pathlib import Path
@@ -11,6 +12,7 @@ from torch import nn
 # Mixtral: w1/w3/w2); the model's stacked parameters are "...experts.w13_weight" (gate, up) and "w2_weight"
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
 _STACKED_SHARDS = {"w13_weight": ("gate", "up"), "w2_weight": ("down",)}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -20,10 +22,29 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def _checked(checkpoint_name: str, tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """FP8 values land only in FP8 parameters: read as numbers without their scales they are garbage."""
+    if tensor.dtype in FP8_DTYPES and param.dtype not in FP8_DTYPES:
+        raise ValueError(f"checkpoint tensor {checkpoint_name} is {tensor.dtype}, but the model built for it is "
+                         f"not quantized there: the checkpoint's config.json lacks the quantization_config that "
+                         f"describes it")
+    return tensor
+
+
+def after_loading(model: nn.Module) -> None:
+    """Every module that finishes its weights once they are all in (online FP8 quantization) does so now."""
+    for module in model.modules():
+        finish = getattr(module, "process_weights_after_loading", None)
+        if finish is not None:
+            finish()
+
+
 def load_model(model: nn.Module, path: str) -> None:
     """Packed modules (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are mapped through the model's
     `packed_modules_mapping`, per-expert tensors of MoE families into the stacked experts through its
-    `expert_shards`; names the model does not have (e.g. rotary caches) are skipped."""
+    `expert_shards`; names the model does not have (e.g. rotary caches) are skipped. FP8 checkpoints' scale
+    tensors (`*.weight_scale_inv`, `*.weight_scale`) follow their weights through the same mapping; static
+    activation scales (`*.input_scale`) are refused."""
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = getattr(model, "renamed_modules", {})
     expert_shards = getattr(model, "expert_shards", {})
@@ -32,6 +53,9 @@ def load_model(model: nn.Module, path: str) -> None:
     for file in sorted(glob(str(Path(path) / "*.safetensors"))):
         with safe_open(file, "pt", "cpu") as f:
             for checkpoint_name in f.keys():
+                if checkpoint_name.endswith(".input_scale"):
+                    raise ValueError(f"checkpoint {path!r} has static activation scales ({checkpoint_name}); only "
+                                     f"dynamic activation scaling is supported")
                 name = checkpoint_name
                 for source, target in renamed.items():
                     name = name.replace(f".{source}.", f".{target}.")
@@ -43,23 +67,26 @@ def load_model(model: nn.Module, path: str) -> None:
                         param.weight_loader(param, f.get_tensor(checkpoint_name), expert_id, shard)
                         loaded.add((param_name, expert_id, shard))
                     continue
+                shard = ()
                 for source, (target, shard_id) in packed.items():
                     if source in name:
-                        param_name = name.replace(source, target)
-                        param = params.get(param_name)
-                        if param is not None:
-                            param.weight_loader(param, f.get_tensor(checkpoint_name), shard_id)
-                            loaded.add(param_name)
+                        name, shard = name.replace(source, target), (shard_id,)
                         break
-                else:
-                    param = params.get(name)
-                    if param is not None:
-                        getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(checkpoint_name))
-                        loaded.add(name)
+                param = params.get(name)
+                if param is None:
+                    if name.endswith((".weight_scale", ".weight_scale_inv")):
+                        raise ValueError(f"checkpoint {path!r} has FP8 weight scales ({checkpoint_name}) that the "
+                                         f"model does not expect: its config.json lacks the quantization_config "
+                                         f"that describes them")
+                    continue
+                tensor = _checked(checkpoint_name, f.get_tensor(checkpoint_name), param)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
+                loaded.add(name)
     missing = [n for n in params if n not in loaded and not _experts_complete(n, params[n], loaded)]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
+    after_loading(model)
 
 
 def _experts_complete(name: str, param: nn.Parameter, loaded: set) -> bool:
@@ -71,7 +98,8 @@ def _experts_complete(name: str, param: nn.Parameter, loaded: set) -> bool:
 def load_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """load_format="dummy": random weights of a trained model's scale, drawn on the parameters' device
     from a seeded generator (the same model each run): matrices ~ N(0, std^2) (`initializer_range`),
-    norm weights one, biases zero."""
+    norm weights one, biases zero. FP8 layers hold their weights in the model's dtype until after_loading
+    quantizes them (Config makes dummy weights quantize online)."""
     generator = None
     for name, param in model.named_parameters():
         if generator is None:
@@ -80,6 +108,7 @@ def load_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             param.data.fill_(1.0 if "norm" in name else 0.0)
         else:
             param.data.normal_(0.0, std, generator=generator)
+    after_loading(model)
 
 
 def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | None:
