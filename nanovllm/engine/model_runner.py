@@ -12,6 +12,7 @@ from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.fused_moe import moe_warmup_token_counts
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
+from nanovllm.layers.quantization import building_with_quantization, fp8_warmup_token_counts
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
@@ -64,7 +65,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with torch.device(self.device), building_with(self.tp):
+            with torch.device(self.device), building_with(self.tp), \
+                    building_with_quantization(config.weight_quantization):
                 self.model = model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -124,7 +126,8 @@ class ModelRunner:
         seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         budget = seq_len * max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         self._warm_prefill(budget)
-        for num_tokens in moe_warmup_token_counts(self.model):   # each MoE kernel variant a batch can reach
+        # each MoE and FP8 GEMM kernel variant a batch can reach
+        for num_tokens in sorted(set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model))):
             if num_tokens < budget:
                 self._warm_prefill(num_tokens)
         torch.cuda.empty_cache()
