@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nanovllm.config import Config
+from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 
 def test_resolves_cpu_defaults(tiny_model):
@@ -96,3 +97,95 @@ def test_sliding_window_models_are_refused_up_front(tiny_model, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="sliding-window"):
         Config(str(other))
+
+
+# ---- FP8 weights (issue 26) ------------------------------------------------------------------------------------
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def fp8_dynamic(**changes):
+    from fp8_checkpoint import FP8_DYNAMIC_CONFIG
+    config = json.loads(json.dumps(FP8_DYNAMIC_CONFIG))
+    group = config["config_groups"]["group_0"]
+    for key, value in changes.items():
+        where, _, field = key.partition("__")
+        if field:
+            group[where][field] = value
+        else:
+            config[where] = value
+    return config
+
+
+def with_quantization_config(tiny_model, tmp_path, quantization_config, architecture=None):
+    """A copy of the tiny model's config.json with a quantization_config (Config reads no weights with dummy)."""
+    other = tmp_path / "quantized"
+    other.mkdir(exist_ok=True)
+    for file in tiny_model.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, other / file.name)
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    if architecture is not None:
+        config.update(architectures=[architecture], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32)
+    (other / "config.json").write_text(json.dumps(config))
+    return str(other)
+
+
+def test_quantization_fp8_quantizes_an_unquantized_checkpoint_online_per_channel(tiny_model):
+    from nanovllm.layers.quantization import WeightQuantization
+    config = Config(str(tiny_model), quantization="fp8")
+    assert config.quantization == "fp8"
+    assert config.weight_quantization == WeightQuantization("channel", online=True)
+    assert Config(str(tiny_model)).weight_quantization is None and Config(str(tiny_model)).quantization is None
+
+
+@pytest.mark.parametrize("quantization_config, scheme", [
+    (BLOCK_FP8, "block"),
+    ({k: v for k, v in BLOCK_FP8.items() if k != "fmt"}, "block"),     # e4m3 is the default
+    (dict(BLOCK_FP8, modules_to_not_convert=["lm_head"]), "block"),
+    (fp8_dynamic(), "channel"),
+    (fp8_dynamic(ignore=["lm_head", "re:.*embed_tokens"]), "channel"),
+])
+@pytest.mark.parametrize("requested", [None, "fp8"])
+def test_fp8_checkpoints_are_fp8_whether_or_not_asked(tiny_model, tmp_path, quantization_config, scheme, requested):
+    model = with_quantization_config(tiny_model, tmp_path, quantization_config)
+    config = Config(model, quantization=requested, load_format="dummy")
+    assert config.quantization == "fp8" and config.weight_quantization.scheme == scheme
+    assert config.weight_quantization.online          # dummy weights are drawn in bf16, then quantized
+
+
+@pytest.mark.parametrize("quantization_config, words", [
+    ({"quant_method": "awq", "bits": 4}, "quantization method 'awq' in .*not supported; supported: fp8"),
+    ({"quant_method": "gptq", "bits": 4}, "quantization method 'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "quantization method 'bitsandbytes'"),
+    (dict(BLOCK_FP8, activation_scheme="static"), "activation_scheme 'static'"),
+    (dict(BLOCK_FP8, weight_block_size=[64, 64]), r"weight_block_size \[64, 64\].*supported: \[128, 128\]"),
+    ({k: v for k, v in BLOCK_FP8.items() if k != "weight_block_size"}, "without weight_block_size"),
+    (dict(BLOCK_FP8, fmt="e5m2"), "format 'e5m2'"),
+    (dict(BLOCK_FP8, modules_to_not_convert=["down_proj"]), "leaves model.layers.0.mlp.down_proj unquantized"),
+    (fp8_dynamic(weights__strategy="tensor"), "compressed-tensors weights .*'strategy': 'tensor'"),
+    (fp8_dynamic(input_activations__dynamic=False), "compressed-tensors input_activations"),
+    (fp8_dynamic(input_activations__num_bits=4), "compressed-tensors input_activations"),
+    (fp8_dynamic(weights__type="int"), "compressed-tensors weights"),
+    (fp8_dynamic(format="pack-quantized"), "format 'pack-quantized'"),
+    (fp8_dynamic(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+    (fp8_dynamic(ignore=["lm_head", "re:.*self_attn.o_proj"]), "leaves model.layers.0.self_attn.o_proj unquantized"),
+])
+def test_other_quantization_configs_are_refused_by_name(tiny_model, tmp_path, quantization_config, words):
+    model = with_quantization_config(tiny_model, tmp_path, quantization_config)
+    for requested in (None, "fp8"):
+        with pytest.raises(ValueError, match=words):
+            Config(model, quantization=requested, load_format="dummy")
+
+
+def test_bogus_quantization_and_fp8_experts_are_refused(tiny_model, tmp_path):
+    for bogus in ("bogus", "FP8", "int8", 8):
+        with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+            Config(str(tiny_model), quantization=bogus)
+    model = with_quantization_config(tiny_model, tmp_path, BLOCK_FP8, architecture="Qwen3MoeForCausalLM")
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts models .*Qwen3MoeForCausalLM"):
+        Config(model, load_format="dummy")
+    moe = write_random_checkpoint(tmp_path / "moe", architecture="MixtralForCausalLM", weights=False)
+    with pytest.raises(ValueError, match="FP8 experts"):
+        Config(str(moe), quantization="fp8", load_format="dummy")

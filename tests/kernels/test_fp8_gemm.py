@@ -1,0 +1,141 @@
+"""The FP8 GEMM kernels against the torch path (nanovllm.layers.quantization): under Triton's interpreter on
+small shapes (CPU), and at full size, through cuBLASLt's _scaled_mm and CUDA graphs on the GPU."""
+import pytest
+import torch
+
+from nanovllm.kernels import fp8_gemm
+from nanovllm.layers.quantization import (dequantize_weight, fp8_linear_torch, quantize_activations,
+                                          quantize_weight)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def activations(m, k, dtype=torch.float32, device="cpu", seed=0):
+    """Rows of very different sizes, an all-zero row and a few outliers."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device) * torch.logspace(-3, 1, m, device=device)[:, None]
+    x[0] = 0.0
+    x[-1, :: max(1, k // 7)] *= 50.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("shape", [(1, 64), (6, 300), (3, 5000)])   # one group, ragged, more than one sweep
+def test_activation_quantization_is_the_torch_paths_bit_for_bit(shape, group, dtype):
+    x = activations(*shape, dtype=dtype)
+    q, scale = fp8_gemm.quantize_activations(x, group)
+    q_ref, scale_ref = quantize_activations(x, group)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref))
+
+
+@pytest.mark.parametrize("block_scaled", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("first", [first for first, _ in fp8_gemm.CONFIGS])
+def test_each_tile_config_matches_the_torch_path(first, block_scaled):
+    """Every tile config, on ragged M, N and K (wrapped rows and columns, masked K tail)."""
+    config = fp8_gemm.choose_config(first)
+    scheme = "block" if block_scaled else "channel"
+    m, n, k = config.block_m + 3, 2 * config.block_n + 5, 300
+    x = activations(m, k, seed=first)
+    q_w, s_w = quantize_weight(torch.randn(n, k) * 0.05, scheme)
+    q_x, s_x = fp8_gemm.quantize_activations(x, 128 if block_scaled else None)
+    out = fp8_gemm.fp8_gemm(q_x, s_x, q_w, s_w, torch.float32, block_scaled, config=config)
+    ref = fp8_linear_torch(x, q_w, s_w, scheme)          # float32 sums in another order: rounding apart
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+
+
+def test_fp8_linear_keeps_leading_dims_and_the_input_dtype():
+    x = activations(6, 256).view(2, 3, 256)
+    q_w, s_w = quantize_weight(torch.randn(96, 256) * 0.05, "channel")
+    out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled=False)
+    assert out.shape == (2, 3, 96) and out.dtype == torch.float32
+    torch.testing.assert_close(out, fp8_linear_torch(x, q_w, s_w, "channel"), rtol=1e-5, atol=1e-5)
+    assert fp8_gemm.fp8_linear(torch.empty(0, 256), q_w, s_w, False).shape == (0, 96)
+    assert not fp8_gemm.scaled_mm_applies(64, 96, 256, torch.bfloat16, torch.device("cpu"))
+
+
+def test_the_warm_up_buckets_are_the_configs_first_counts():
+    counts = fp8_gemm.config_token_counts()
+    assert counts[0] == 1 and list(counts) == sorted(counts)
+    for i, first in enumerate(counts):
+        last = counts[i + 1] - 1 if i + 1 < len(counts) else 1 << 20
+        assert fp8_gemm.choose_config(first) == fp8_gemm.choose_config(last)
+        assert 128 % fp8_gemm.choose_config(first).block_k == 0
+
+
+# ---- GPU, full size ---------------------------------------------------------------------------------------------
+SHAPES_8B = {"qkv": (6144, 4096), "down": (4096, 12288)}     # Qwen3-8B's (N, K)
+
+
+def reference(x, q_w, s_w, scheme):
+    """float32 product of the same quantized values (the torch path's quantization, dequantized)."""
+    q_x, s_x = quantize_activations(x, 128 if scheme == "block" else None)
+    a = q_x.float() * (s_x.repeat_interleave(128, 1)[:, :x.shape[1]] if scheme == "block" else s_x[:, None])
+    return a @ dequantize_weight(q_w, s_w, scheme).t()
+
+
+@cuda
+def test_gpu_activation_quantization_is_bit_exact():
+    x = activations(4096, 4096, torch.bfloat16, "cuda")
+    for group in (None, 128):
+        q, scale = fp8_gemm.quantize_activations(x, group)
+        q_ref, scale_ref = quantize_activations(x, group)
+        assert torch.equal(scale, scale_ref) and torch.equal(bits(q), bits(q_ref))
+
+
+@cuda
+@pytest.mark.parametrize("path", ["triton-channel", "scaled-mm", "triton-block"])
+@pytest.mark.parametrize("layer", SHAPES_8B)
+def test_gpu_gemms_against_a_float32_reference(path, layer):
+    if path == "scaled-mm" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("row-wise _scaled_mm needs compute capability 9.0")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    scheme = "block" if path == "triton-block" else "channel"
+    n, k = SHAPES_8B[layer]
+    g = torch.Generator("cuda").manual_seed(0)
+    q_w, s_w = quantize_weight((torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16(), scheme)
+    for m in (1, 16, 256, 4096):
+        x = activations(m, k, torch.bfloat16, "cuda", seed=m)
+        use_scaled_mm = None if scheme == "block" else path == "scaled-mm"
+        out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled=scheme == "block", use_scaled_mm=use_scaled_mm)
+        ref = reference(x, q_w, s_w, scheme)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        err = (out.float() - ref).norm() / ref.norm()
+        worst = ((out.float() - ref).abs() / (ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True))).max()
+        print(f"{path} {layer} M={m}: relative error {err:.2e}, worst element {worst:.2e}")
+        assert err < 4e-3 and worst < 3e-2     # bf16 output rounding alone is up to 2^-9 = 2e-3 per element
+
+
+@cuda
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_gpu_graph_replay_equals_eager_and_m_is_not_specialized(scheme):
+    """Within a bucket no M compiles anything new (M is not specialized on), and a captured graph replays
+    new inputs exactly as the eager call computes them."""
+    import triton
+    n, k = 1024, 2048
+    q_w, s_w = quantize_weight(torch.randn(n, k, device="cuda").bfloat16() * 0.02, scheme)
+    block_scaled = scheme == "block"
+    for first in fp8_gemm.config_token_counts():
+        fp8_gemm.fp8_linear(activations(first, k, torch.bfloat16, "cuda"), q_w, s_w, block_scaled)
+    compiled = []
+    triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append(fn.name) and False
+    try:
+        for m in (2, 3, 7, 15, 33, 100, 300, 1000):
+            fp8_gemm.fp8_linear(activations(m, k, torch.bfloat16, "cuda"), q_w, s_w, block_scaled)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert not compiled, compiled
+    static_x = activations(8, k, torch.bfloat16, "cuda")
+    fp8_gemm.fp8_linear(static_x, q_w, s_w, block_scaled)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fp8_gemm.fp8_linear(static_x, q_w, s_w, block_scaled)
+    for seed in (1, 2):
+        static_x.copy_(activations(8, k, torch.bfloat16, "cuda", seed=seed))
+        graph.replay()
+        assert torch.equal(static_out, fp8_gemm.fp8_linear(static_x, q_w, s_w, block_scaled))

@@ -1,0 +1,244 @@
+"""FP8 linear layers on CPU: the torch path is the documented arithmetic, weights quantize as the releases'
+do, scales split with their weights over tensor-parallel ranks, online quantization happens after loading,
+and the loader refuses FP8 tensors it cannot read."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from fp8_checkpoint import block_quantize, channel_quantize
+from nanovllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                    ReplicatedLinear, RowParallelLinear)
+from nanovllm.layers.quantization import (FP8, WeightQuantization, building_with_quantization, dequantize_weight,
+                                          fp8_linear_torch, quantize_activations, quantize_weight)
+from nanovllm.utils.loader import after_loading, load_model
+from nanovllm.utils.parallel import TensorParallelGroup, building_with
+
+BLOCK = WeightQuantization("block")
+CHANNEL = WeightQuantization("channel")
+
+
+def reference_linear(x, q_w, s_w, scheme):
+    """The module docstring's sum, element by element in float64: y[m, n] = sum_k (q_x s_x)(q_w s_w)."""
+    m_rows, k_cols = x.shape
+    y = torch.zeros(m_rows, q_w.shape[0], dtype=torch.float64)
+    for m in range(m_rows):
+        row = x[m].double()
+        starts = range(0, k_cols, 128) if scheme == "block" else [0]
+        q_x, s_x = torch.empty(k_cols, dtype=torch.float64), torch.empty(k_cols, dtype=torch.float64)
+        for start in starts:
+            end = start + 128 if scheme == "block" else k_cols
+            s = max(row[start:end].abs().max().item(), 1e-12) / 448.0
+            s = torch.tensor(s, dtype=torch.float32).double()      # a float32 scale
+            q = (row[start:end].float() / s.float()).clamp(-448, 448).to(FP8).double()
+            q_x[start:end], s_x[start:end] = q, s
+        for n in range(q_w.shape[0]):
+            w_scale = (s_w[n] if scheme == "channel"
+                       else s_w[n // 128].repeat_interleave(128)[:k_cols]).double()
+            y[m, n] = ((q_x * s_x) * (q_w[n].double() * w_scale)).sum()
+    return y
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("shape", [(3, 40, 24), (4, 200, 300)])     # ragged groups and blocks too
+def test_cpu_path_is_the_documented_arithmetic(scheme, shape):
+    torch.manual_seed(0)
+    m, n, k = shape
+    x = torch.randn(m, k) * torch.logspace(-2, 1, k)       # columns of very different sizes
+    x[1, :5] = 0.0
+    q_w, s_w = quantize_weight(torch.randn(n, k) * 0.05, scheme)
+    y = fp8_linear_torch(x, q_w, s_w, scheme)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), reference_linear(x, q_w, s_w, scheme), rtol=1e-5, atol=1e-5)
+    y16 = fp8_linear_torch(x.bfloat16(), q_w, s_w, scheme)
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16, fp8_linear_torch(x.bfloat16().float(), q_w, s_w, scheme).bfloat16(), rtol=0, atol=0)
+
+
+def test_weights_quantize_as_the_releases_do():
+    torch.manual_seed(1)
+    w = torch.randn(300, 260) * 0.02
+    w[:5, :7] *= 100                # one block with an outlier
+    q, s = quantize_weight(w, "block")
+    q_ref, s_ref = block_quantize(w)
+    assert s.shape == (3, 3) and torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    q, s = quantize_weight(w, "channel")
+    q_ref, s_ref = channel_quantize(w)
+    assert s.shape == (300,) and torch.equal(s, s_ref[:, 0]) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # each row's (block's) largest value lands on 448 exactly, nothing saturates to inf or NaN
+    assert q.float().abs().amax(1).eq(448).all() and torch.isfinite(q.float()).all()
+    assert (dequantize_weight(q, s, "channel") - w).abs().max() <= w.abs().amax(1).max() / 16
+
+
+def test_activation_values_round_to_nearest_even_and_saturate():
+    # 1.0625 lies halfway between e4m3's 1.0 and 1.125 (3 mantissa bits): ties go to the even 1.0;
+    # scale = amax / 448 = 1 for a row whose largest value is 448
+    x = torch.tensor([[448.0, 1.0625, 1.1875, -0.0009765625 * 1.5, 0.0]])
+    q, s = quantize_activations(x)
+    assert s.item() == 1.0
+    assert q.float().tolist() == [[448.0, 1.0, 1.25, -0.001953125, 0.0]]
+    q, s = quantize_activations(torch.zeros(2, 256), 128)        # all zero: tiny scales, zeros, no NaN
+    assert s.shape == (2, 2) and (s > 0).all() and q.float().eq(0).all()
+
+
+class Unreduced(TensorParallelGroup):
+    """A rank of a group without processes: row-parallel layers return their partial sums."""
+
+    def all_reduce(self, x, op=None):
+        return x
+
+
+def build(layer_class, quantization, *args, rank=0, size=1, **kwargs):
+    with building_with(Unreduced(rank, size)), building_with_quantization(quantization):
+        return layer_class(*args, **kwargs)
+
+
+def fill(layer, tensors: dict, shards: dict | None = None):
+    """Load full checkpoint tensors {param name: tensor or [per-shard tensors]} through the weight loaders."""
+    params = dict(layer.named_parameters())
+    for name, tensor in tensors.items():
+        if shards:
+            for shard, part in zip(shards[name], tensor):
+                params[name].weight_loader(params[name], part, shard)
+        else:
+            params[name].weight_loader(params[name], tensor)
+
+
+def quantized_parts(parts, k, scheme):
+    torch.manual_seed(2)
+    return [quantize_weight(torch.randn(n, k) * 0.05, scheme) for n in parts]
+
+
+@pytest.mark.parametrize("quantization", [BLOCK, CHANNEL], ids=["block", "channel"])
+def test_merged_layers_split_their_scales_with_their_weights_over_two_ranks(quantization):
+    """QKV (4 q heads, 2 kv heads of 128) and gate/up at TP=2: each rank's weight and scales are its rows of
+    every part, stacked in order; its outputs are exactly its columns of the TP=1 layer's outputs (the
+    activations quantize the same way: per token over all of K, or per group)."""
+    scale_name = quantization.scale_name
+    x = torch.randn(5, 256)
+    for layer_class, args, parts, shard_ids in (
+            (QKVParallelLinear, (256, 128, 4, 2), [512, 256, 256], ["q", "k", "v"]),
+            (MergedColumnParallelLinear, (256, [512, 512]), [512, 512], [0, 1])):
+        quantized = quantized_parts(parts, 256, quantization.scheme)
+        tensors = {"weight": [q for q, _ in quantized], scale_name: [s for _, s in quantized]}
+        shards = {"weight": shard_ids, scale_name: shard_ids}
+        full = build(layer_class, quantization, *args)
+        fill(full, tensors, shards)
+        y = full(x)
+        ranks = []
+        for rank in range(2):
+            layer = build(layer_class, quantization, *args, rank=rank, size=2)
+            assert layer.weight.dtype == FP8 and getattr(layer, scale_name).dtype == torch.float32
+            fill(layer, tensors, shards)
+            ranks.append(layer)
+            rows = torch.cat([torch.arange(off + rank * p // 2, off + (rank + 1) * p // 2)
+                              for off, p in zip([0] + list(torch.tensor(parts).cumsum(0)[:-1].tolist()), parts)])
+            assert torch.equal(layer.weight.view(torch.uint8), full.weight.view(torch.uint8)[rows])
+            scales = getattr(full, scale_name)
+            assert torch.equal(getattr(layer, scale_name), scales[rows] if quantization.scheme == "channel"
+                               else scales[rows[::128] // 128])
+            assert torch.equal(layer(x), y[:, rows])
+
+
+@pytest.mark.parametrize("quantization", [BLOCK, CHANNEL], ids=["block", "channel"])
+def test_row_parallel_splits_block_scales_by_columns_and_keeps_channel_scales_whole(quantization):
+    [(q, s)] = quantized_parts([256], 512, quantization.scheme)
+    bias = torch.randn(256)
+    tensors = {"weight": q, quantization.scale_name: s, "bias": bias}
+    full = build(RowParallelLinear, quantization, 512, 256, bias=True)
+    fill(full, tensors)
+    x = torch.randn(3, 512)
+    partial = []
+    for rank in range(2):
+        layer = build(RowParallelLinear, quantization, 512, 256, bias=True, rank=rank, size=2)
+        fill(layer, tensors)
+        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)[:, rank * 256:(rank + 1) * 256])
+        scale = getattr(layer, quantization.scale_name)
+        assert torch.equal(scale, s if quantization.scheme == "channel" else s[:, rank * 2:(rank + 1) * 2])
+        partial.append(layer(x[:, rank * 256:(rank + 1) * 256]))     # partial sums (rank 0's with the bias)
+    if quantization.scheme == "block":          # the same 1x128 groups on either side: only sums regroup
+        torch.testing.assert_close(partial[0] + partial[1], full(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(full(x), fp8_linear_torch(x, q, s, quantization.scheme) + bias)   # bias after the GEMM
+
+
+def test_block_shards_must_start_on_blocks():
+    with pytest.raises(ValueError, match="output rows .*multiples of 128"):   # 2 heads of 64 per rank
+        build(QKVParallelLinear, BLOCK, 256, 64, 2, 2, rank=0, size=2)
+    with pytest.raises(ValueError, match="input columns .*multiples of 128"):
+        build(RowParallelLinear, BLOCK, 384, 256, rank=0, size=2)
+    with pytest.raises(ValueError, match="output rows"):                       # k starts mid-block
+        build(QKVParallelLinear, BLOCK, 256, 64, 3, 1)
+    build(QKVParallelLinear, BLOCK, 256, 128, 3, 1)                             # v may end mid-block at TP=1
+    build(ColumnParallelLinear, BLOCK, 200, 200)                                # ragged alone: fine
+    build(QKVParallelLinear, CHANNEL, 256, 64, 2, 2, rank=0, size=2)            # per channel: no constraint
+    assert build(ReplicatedLinear, BLOCK, 64, 8).weight.dtype == torch.float32  # the MoE router stays precise
+
+
+def test_online_quantization_happens_after_every_shard_is_loaded():
+    online = WeightQuantization("channel", online=True)
+    layer = build(MergedColumnParallelLinear, online, 256, [128, 128])
+    assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale")
+    gate, up = torch.randn(128, 256), torch.randn(128, 256)
+    fill(layer, {"weight": [gate, up]}, {"weight": [0, 1]})
+    after_loading(layer)
+    q, s = quantize_weight(torch.cat([gate, up]), "channel")
+    assert layer.weight.dtype == FP8 and torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, s)
+    after_loading(layer)                         # a second call changes nothing
+    assert torch.equal(layer.weight_scale, s)
+
+
+def _copy_with(tiny_model, tmp_path, tensors_fn, quantization_config=None):
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "edited"
+    shutil.copytree(tiny_model, other)
+    tensors = tensors_fn(load_file(str(other / "model.safetensors")))
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    if quantization_config is not None:
+        config = json.loads((other / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (other / "config.json").write_text(json.dumps(config))
+    return other
+
+
+def test_the_loader_refuses_fp8_tensors_it_cannot_read(tiny_model, tmp_path):
+    """FP8 tensors without a quantization_config would load as garbage numbers: refused by name; so are
+    static activation scales, and a missing scale is named."""
+    from fp8_checkpoint import to_block_fp8
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    fp8 = to_block_fp8(tiny_model, tmp_path / "fp8")
+    plain = Qwen3ForCausalLM(hf_config)
+    with pytest.raises(ValueError, match="down_proj.weight is torch.float8_e4m3fn.*lacks the quantization_config"):
+        load_model(plain, str(fp8))
+
+    def scales_alone(tensors):
+        return dict(tensors, **{"model.layers.0.mlp.up_proj.weight_scale": torch.ones(128, 1)})
+    with pytest.raises(ValueError, match="up_proj.weight_scale\\) that the model does not expect"):
+        load_model(plain, str(_copy_with(tiny_model, tmp_path / "a", scales_alone)))
+
+    with building_with_quantization(BLOCK):
+        quantized = Qwen3ForCausalLM(hf_config)
+    load_model(quantized, str(fp8))
+    from safetensors.torch import load_file
+    stored = load_file(str(fp8 / "model.safetensors"))
+    assert torch.equal(quantized.model.layers[1].mlp.down_proj.weight_scale_inv,
+                       stored["model.layers.1.mlp.down_proj.weight_scale_inv"])
+
+    def static(tensors):
+        return dict(tensors, **{"model.layers.0.mlp.down_proj.input_scale": torch.ones(())})
+    with pytest.raises(ValueError, match="static activation scales"):
+        load_model(quantized, str(_copy_with(fp8, tmp_path / "b", static)))
+
+    def no_scale(tensors):
+        return {k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.o_proj.weight_scale_inv"}
+    with pytest.raises(ValueError, match="lacks weights for: model.layers.0.self_attn.o_proj.weight_scale_inv"):
+        load_model(quantized, str(_copy_with(fp8, tmp_path / "c", no_scale)))
+
+    def bf16_weight(tensors):     # an unquantized projection where the config says FP8
+        return dict(tensors, **{"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 512)})
+    with pytest.raises(ValueError, match="dtype torch.float32 for an FP8 weight"):
+        load_model(quantized, str(_copy_with(fp8, tmp_path / "d", bf16_weight)))
