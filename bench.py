@@ -7,13 +7,17 @@
                                          # shared-prefix, each with its own floor
     python bench.py --shape qwen3-30b-a3b   # Qwen3-30B-A3B's mixture-of-experts shape, random weights drawn
                                             # by the engine (load_format="dummy"; nothing written but config.json)
+    python bench.py --shape qwen3-8b --quantization fp8 --load-format dummy   # FP8 weights, quantized at load
 
 The workload is drawn exactly as nano-vllm's bench.py draws it (random.seed(0); all prompts, then all
 output lengths), so token counts match upstream's. The floor is what the hardware cannot beat: decode
 reads every running sequence's KV cache and all weights each step (bandwidth-bound), prefill is
 matmul arithmetic (compute-bound). See "Performance yardsticks" in DESIGN.md. A mixture-of-experts model
 (Qwen3-MoE, Mixtral) reads its dense weights each step but only the experts the step's tokens pick (the
-expectation under uniform routing), and its prefill computes each token's active parameters only.
+expectation under uniform routing), and its prefill computes each token's active parameters only. FP8
+weights (--quantization fp8, or an FP8 checkpoint) count one byte per attention/MLP projection weight (the
+embeddings, LM head and norms stay in the model's dtype), and their prefill GEMMs run at twice the peak
+FLOP/s (FP8 tensor cores).
 """
 import argparse
 import json
@@ -35,7 +39,7 @@ TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, n
 DEFAULTS = {"cuda": dict(num_seqs=256, max_input_len=1024, max_output_len=1024),    # upstream's workload
             "cpu": dict(num_seqs=16, max_input_len=128, max_output_len=64)}       # a minute or two on CPU
 ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                "kv_cache_dtype", "disable_custom_all_reduce", "load_format")
+                "kv_cache_dtype", "disable_custom_all_reduce", "load_format", "quantization")
 
 
 @dataclass
@@ -270,6 +274,17 @@ def config_parameters(hf_config) -> int:
     return embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2) + layers + hidden
 
 
+def linear_parameters(hf_config) -> int:
+    """The decoder's attention (q/k/v/o) and dense MLP (gate/up/down) weights, biases aside: what FP8
+    quantization stores at one byte each."""
+    hf = hf_config
+    hidden, q = hf.hidden_size, hf.num_attention_heads * head_dim(hf)
+    kv = hf.num_key_value_heads * head_dim(hf)
+    experts = moe_experts(hf)
+    dense_mlps = hf.num_hidden_layers - (len(experts.sparse_layers) if experts else 0)
+    return hf.num_hidden_layers * (hidden * (q + 2 * kv) + q * hidden) + dense_mlps * 3 * hidden * hf.intermediate_size
+
+
 def model_parameters(model_dir: str | Path, hf_config) -> int:
     """count_parameters of the checkpoint's safetensors; counted from the config where the directory
     has none (a config-only checkpoint run with load_format="dummy")."""
@@ -279,11 +294,12 @@ def model_parameters(model_dir: str | Path, hf_config) -> int:
 
 
 def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload,
-                   bandwidth: float, flops: float, kv_itemsize: int | None = None) -> dict:
+                   bandwidth: float, flops: float, kv_itemsize: int | None = None, fp8_params: int = 0) -> dict:
     """Seconds the run needs at best: decode bytes over bandwidth plus prefill FLOPs over peak FLOP/s.
     Ideally every request runs at once, so the weights are read once per step of the longest output
     (a mixture-of-experts model's dense weights; of its experts only those the step's tokens pick).
-    `itemsize`: the weights' bytes per value; `kv_itemsize` the KV cache's (default: the same)."""
+    `itemsize`: the weights' bytes per value; `kv_itemsize` the KV cache's (default: the same);
+    `fp8_params`: of num_params, those stored in FP8 (one byte each; their prefill FLOPs at twice the peak)."""
     hf = hf_config
     head_dim_ = head_dim(hf)
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_ * (kv_itemsize or itemsize)
@@ -293,8 +309,9 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
     # once per step (a kernel can: cascade attention), counted with the request that computed it
     kv_bytes = kv_bytes_per_token * sum(o * (p - c) + o * (o - 1) // 2 for (p, o), c in zip(lengths, shared))
     steps, experts, moe = max(workload.max_tokens), moe_experts(hf), {}
+    fp8_saved = fp8_params * (itemsize - 1)        # bytes a step does not read for FP8 weights
     if experts is None:
-        weight_bytes, active_params = num_params * itemsize * steps, num_params
+        weight_bytes, active_params = (num_params * itemsize - fp8_saved) * steps, num_params
     else:
         # step t decodes the B_t requests with max_tokens > t: the dense part (attention, norms, routers,
         # dense MLPs, and the embedding table whole, as the dense floor counts it, though a step reads only
@@ -305,7 +322,7 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
             touched += (end - start) * experts.expected_touched(len(ends) - bisect_right(ends, start))
             start = end
         expert_bytes = len(experts.sparse_layers) * experts.params_per_expert * touched * itemsize
-        weight_bytes = (num_params - experts.params) * itemsize * steps + expert_bytes
+        weight_bytes = ((num_params - experts.params) * itemsize - fp8_saved) * steps + expert_bytes
         active_params = num_params - experts.params + experts.active_params      # per token
         moe = dict(expert_read_bytes=expert_bytes, num_params=num_params, active_params=active_params,
                    experts_touched_fraction=expert_bytes / (experts.params * itemsize * steps))
@@ -315,9 +332,13 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
     # tokens c..p-1 of a prompt whose first c are shared: the body for p - c tokens, attention over i + 1 keys
     prefill_flops = sum(2 * body * (p - c) + 2 * embedding + attention * (p * (p + 1) - c * (c + 1))
                         for (p, _), c in zip(lengths, shared))
-    floor_s = (kv_bytes + weight_bytes) / bandwidth + prefill_flops / flops
+    fp8 = {}
+    if fp8_params:       # FP8 tensor cores: twice the FLOP/s, so those FLOPs count half
+        fp8 = dict(fp8_params=fp8_params,
+                   fp8_prefill_flops=sum(2 * fp8_params * (p - c) for (p, _), c in zip(lengths, shared)))
+    floor_s = (kv_bytes + weight_bytes) / bandwidth + (prefill_flops - fp8.get("fp8_prefill_flops", 0) / 2) / flops
     return dict(kv_read_bytes=kv_bytes, weight_read_bytes=weight_bytes, prefill_flops=prefill_flops,
-                bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s, **moe)
+                bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s, **moe, **fp8)
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
@@ -368,7 +389,7 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
                 prefix_cache_hit_tokens=stats["num_prefix_cache_hit_tokens"] - hits_before,
                 peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
                 hf_config=config.hf_config, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-                kv_block_size=config.kvcache_block_size,
+                kv_block_size=config.kvcache_block_size, quantization=config.quantization,
                 num_devices=config.tensor_parallel_size if config.device == "cuda" else 1)
 
 
@@ -429,7 +450,7 @@ def run_hf(model: Path, workload: Workload, device: torch.device) -> dict:
             elapsed = perf_counter() - start
     return dict(time_s=elapsed, generated=generated, prefill_time_s=None, decode_time_s=None, num_preemptions=None,
                 prefix_cache_hit_tokens=None, peak_kv_blocks=None, num_kv_blocks=None, hf_config=hf_model.config,
-                dtype=hf_model.dtype, kv_cache_dtype=hf_model.dtype, num_devices=1)
+                dtype=hf_model.dtype, kv_cache_dtype=hf_model.dtype, quantization=None, num_devices=1)
 
 
 def rate(tokens: int, seconds: float) -> str:
@@ -456,6 +477,9 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
               f"{result['kv_block_size']} = {total * result['kv_block_size']} tokens")
     else:
         print("Prefill/decode split, preemptions, KV blocks: not reported by transformers")
+    if "fp8_params" in floor:
+        print(f"Weights: FP8 for {floor['fp8_params'] / 1e9:.3g}B projection parameters (one byte each; their prefill "
+              f"FLOPs at twice the peak), {str(result['dtype']).removeprefix('torch.')} for the rest")
     fraction = floor["floor_s"] / elapsed
     print(f"Hardware floor: {floor['floor_s']:.3g}s = {tokens / floor['floor_s']:.0f}tok/s (KV reads {floor['kv_read_bytes'] / 1e12:.3g} TB + weight "
           f"reads {floor['weight_read_bytes'] / 1e12:.3g} TB at {floor['bandwidth_gbps']:.0f} GB/s, prefill "
@@ -524,6 +548,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tensor parallel: every all-reduce through NCCL, none through peer memory")
     engine.add_argument("--kv-cache-dtype", choices=("auto", "fp8"),
                         help="KV cache storage: the model's dtype (auto) or float8_e4m3fn; the floor counts its bytes")
+    engine.add_argument("--quantization", choices=("fp8",),
+                        help="FP8 weights, quantized at load (an FP8 checkpoint is FP8 without it); the floor counts "
+                        "one byte per projection weight")
     engine.add_argument("--load-format", choices=("auto", "dummy"),
                         help="the checkpoint's weights (auto) or seeded random ones drawn from config.json alone "
                         "(dummy; the floor then counts the parameters from the config); --shape qwen3-30b-a3b "
@@ -564,8 +591,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def floor_for(result: dict, model: Path, workload: Workload, bandwidth: float, flops: float) -> dict:
     hf_config = result["hf_config"]
     num_params = model_parameters(model, hf_config)
+    fp8_params = linear_parameters(hf_config) if result["quantization"] == "fp8" else 0
     return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload, bandwidth * result["num_devices"],
-                          flops * result["num_devices"], result["kv_cache_dtype"].itemsize)
+                          flops * result["num_devices"], result["kv_cache_dtype"].itemsize, fp8_params)
 
 
 def run_workloads(args: argparse.Namespace, model: Path, bandwidth: float, flops: float) -> list[dict]:

@@ -95,6 +95,41 @@ def test_fp8_kv_cache_reaches_the_engine_and_the_floor(checkpoint, capsys):
     assert fp8["kv_read_bytes"] * 4 == auto["kv_read_bytes"]
 
 
+def test_fp8_weights_read_one_byte_per_projection_weight_and_prefill_at_twice_the_peak():
+    """Qwen3-0.6B in bf16: 440M projection weights of its 596M parameters (the tied embedding, norms and
+    q/k norms stay bf16); the standard workload's floor reads 0.44 GB less per decode step, and the
+    projections' prefill FLOPs count at twice the peak."""
+    config = AutoConfig.for_model("qwen3", **QWEN3_0_6B)
+    fp8_params = bench.linear_parameters(config)
+    assert fp8_params == 28 * (1024 * (2048 + 2 * 1024) + 2048 * 1024 + 3 * 1024 * 3072) == 440_401_920
+    workload = bench.make_workload(256, 1024, 1024, seed=0)
+    bf16 = bench.hardware_floor(config, 596_049_920, 2, workload, bandwidth=3.0e12, flops=800e12)
+    fp8 = bench.hardware_floor(config, 596_049_920, 2, workload, bandwidth=3.0e12, flops=800e12,
+                               fp8_params=fp8_params)
+    steps = max(workload.max_tokens)
+    assert bf16["weight_read_bytes"] - fp8["weight_read_bytes"] == fp8_params * steps
+    assert fp8["weight_read_bytes"] == (596_049_920 * 2 - fp8_params) * steps
+    assert fp8["kv_read_bytes"] == bf16["kv_read_bytes"] and fp8["prefill_flops"] == bf16["prefill_flops"]
+    prompt_tokens = sum(map(len, workload.prompts))
+    assert fp8["fp8_prefill_flops"] == 2 * fp8_params * prompt_tokens
+    saved = (bf16["weight_read_bytes"] - fp8["weight_read_bytes"]) / 3.0e12 + fp8["fp8_prefill_flops"] / 2 / 800e12
+    assert fp8["floor_s"] == pytest.approx(bf16["floor_s"] - saved)
+    assert "fp8_params" not in bf16 and bench.linear_parameters(AutoConfig.for_model("qwen3", **QWEN3_8B)) > 6e9
+
+
+def test_fp8_weights_reach_the_engine_and_the_floor(checkpoint, capsys):
+    argv = ["--model", str(checkpoint), *TINY_RUN, "--bandwidth", "1000", "--peak-tflops", "10"]
+    plain = run_bench(capsys, argv)
+    fp8 = run_bench(capsys, argv + ["--quantization", "fp8"])
+    assert plain["quantization"] is None and fp8["quantization"] == "fp8"
+    assert fp8["fp8_params"] == bench.linear_parameters(AutoConfig.from_pretrained(checkpoint))
+    # float32 on CPU: three bytes saved per projection weight and decode step
+    steps = max(bench.make_workload(4, 32, 8, seed=3).max_tokens)
+    assert plain["weight_read_bytes"] - fp8["weight_read_bytes"] == 3 * fp8["fp8_params"] * steps
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engine", "hf", "--quantization", "fp8"])
+
+
 def test_count_parameters_counts_tied_embedding_once(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert bench.count_parameters(checkpoint, tied=True) == model.num_parameters()

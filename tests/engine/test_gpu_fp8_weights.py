@@ -1,0 +1,104 @@
+"""FP8 weights on the GPU, against the same engine in bf16: teacher-forced next-token distributions on the
+Qwen3-0.6B shape, through the Triton/cuBLASLt GEMMs and CUDA graphs, with the fp8 KV cache too; per-channel
+(quantization="fp8" on a bf16 checkpoint) and 128x128 blocks (a block-FP8 config.json, dummy weights drawn
+exactly as the bf16 run's, then quantized); and no Triton compilation after start-up. Run with -s for the
+figures docs/benchmarks.md records."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import QWEN3_0_6B
+from teacher_forcing import compare, forced_logprobs, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MARGIN = 0.5
+ENGINE = dict(max_model_len=1024, gpu_memory_utilization=0.5)
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# loose bounds (random weights, 28 layers of W8A8 noise): they catch a broken GEMM or scale, not a drift
+MIN_AGREEMENT, MAX_MEAN_KL = 0.95, 0.1
+
+
+def positions():
+    return random_prompts(8, seed=0, lengths=(100, 900)), random_prompts(8, seed=1, lengths=(48, 48))
+
+
+def report(what, fp8, bf16):
+    stats = compare(fp8, bf16, MARGIN)
+    print(f"{what} vs bf16 over {fp8.shape[:2].numel()} positions: mean KL {stats['kl']:.2e}, top-1 agreement "
+          f"{stats['agreement']:.4f} on the {stats['decided']:.0%} with a gap > {MARGIN} nats")
+    return stats
+
+
+def exercise_without_compiling(llm):
+    """Requests of every batch size class and prompt length after start-up: nothing may compile."""
+    import triton
+    compiled = []
+    triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
+    try:
+        prompts = random_prompts(40, seed=11, lengths=(1, 1000))
+        for options in (dict(temperature=0.0), dict(temperature=0.6, top_p=0.95, top_k=20)):
+            for batch in (prompts[:1], prompts[:3], prompts[:40]):
+                llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
+        forced_logprobs(llm, *positions(), use_graphs=False, num_forced=4)    # eager decode of 8 rows
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
+
+
+def weight_bytes(llm) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+
+
+def test_online_fp8_weights_track_bf16_with_graphs_and_an_fp8_cache(make_checkpoint):
+    model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
+    prompts, continuations = positions()
+    logprobs, sizes = {}, {}
+    with LLM(str(model_dir), **ENGINE) as llm:
+        logprobs["bf16"] = forced_logprobs(llm, prompts, continuations)
+        sizes["bf16"] = weight_bytes(llm)
+    with LLM(str(model_dir), quantization="fp8", **ENGINE) as llm:
+        layer = llm.model_runner.model.model.layers[0].mlp.gate_up_proj
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (2 * 3072,)
+        sizes["fp8"] = weight_bytes(llm)
+        logprobs["fp8"] = forced_logprobs(llm, prompts, continuations)                      # CUDA graphs
+        logprobs["fp8 eager"] = forced_logprobs(llm, prompts, continuations, use_graphs=False)
+        exercise_without_compiling(llm)
+    with LLM(str(model_dir), quantization="fp8", kv_cache_dtype="fp8", **ENGINE) as llm:
+        logprobs["fp8 + fp8 cache"] = forced_logprobs(llm, prompts, continuations)
+        exercise_without_compiling(llm)
+    linear = 28 * (1024 * (2048 + 2 * 1024) + 2048 * 1024 + 3 * 1024 * 3072)
+    print(f"weights: {sizes['bf16'] / 1e9:.3f} GB bf16 -> {sizes['fp8'] / 1e9:.3f} GB with FP8 linear layers")
+    assert sizes["bf16"] - sizes["fp8"] >= linear * 0.99        # one byte saved per linear weight (scales aside)
+    for what in ("fp8", "fp8 eager", "fp8 + fp8 cache"):
+        stats = report(f"online FP8 weights ({what})", logprobs[what], logprobs["bf16"])
+        assert stats["agreement"] >= MIN_AGREEMENT and stats["kl"] <= MAX_MEAN_KL and stats["decided"] > 0.05
+    graphs = compare(logprobs["fp8"], logprobs["fp8 eager"], MARGIN)
+    print(f"FP8 weights, CUDA graphs vs eager: mean KL {graphs['kl']:.1e}")
+    assert graphs["kl"] < 1e-3
+
+
+def test_block_fp8_weights_track_bf16(tmp_path):
+    """A config.json that says block FP8 (as Qwen3-*-FP8's), run with dummy weights: the engine draws the same
+    bf16 numbers as a plain dummy run (the same generator over the same parameters), then quantizes them per
+    128x128 block; its activations go per 1x128 group through our block-scaled Triton GEMM."""
+    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    plain = write_random_checkpoint(tmp_path / "plain", dtype=torch.bfloat16, weights=False, **QWEN3_0_6B)
+    block = tmp_path / "block"
+    shutil.copytree(plain, block)
+    config = json.loads((block / "config.json").read_text())
+    config["quantization_config"] = BLOCK_FP8
+    (block / "config.json").write_text(json.dumps(config))
+    prompts, continuations = positions()
+    with LLM(str(plain), load_format="dummy", **ENGINE) as llm:
+        bf16 = forced_logprobs(llm, prompts, continuations)
+    with LLM(str(block), load_format="dummy", **ENGINE) as llm:
+        layer = llm.model_runner.model.model.layers[0].self_attn.qkv_proj
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.shape == (32, 8)
+        fp8 = forced_logprobs(llm, prompts, continuations)
+        exercise_without_compiling(llm)
+    stats = report("block FP8 weights (dummy)", fp8, bf16)
+    assert stats["agreement"] >= MIN_AGREEMENT and stats["kl"] <= MAX_MEAN_KL and stats["decided"] > 0.05
