@@ -9,7 +9,8 @@ scales, in two launches that never wait for the host (a decode step replays in a
 2. The GEMM, float32 accumulation, the scales applied in the epilogue, output in the model's dtype:
    - per-channel weights: `torch._scaled_mm` with row-wise scales (cuBLASLt; scale_a [M, 1], scale_b [1, N])
      where it applies (bf16 output, K and N multiples of 16, a Hopper-class GPU) and the batch is large;
-     otherwise our Triton kernel, which applies both scales once after the K loop;
+     otherwise our Triton kernel, which promotes its partial sums to float32 every 128 products and applies
+     both scales once after the K loop;
    - 128x128 block weights: our Triton kernel; each K step of 128 columns is one tensor-core dot whose float32
      result is scaled by its activation group's and weight block's scales before it joins the accumulator
      (DeepSeek's promotion: the FP8 dot's limited internal accumulation never spans more than 128 products).
@@ -177,7 +178,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K, str
             b_scale = tl.load(b_scale_ptr + (cols // 128) * stride_b_scale + k // 128)
             acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            # Hopper's FP8 dots accumulate with ~14 significant bits unless told to promote: at most
+            # BLOCK_K products before the partial sum joins the float32 accumulator (Triton's default on
+            # sm_90 never promotes)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not BLOCK_SCALED:

@@ -169,7 +169,10 @@ def current_quantization() -> WeightQuantization | None:
 
 # ---- the arithmetic (torch: the CPU path and the kernels' oracle) ------------------------------------------------
 def amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
+    amax = amax.float().clamp(min=MIN_AMAX)
+    # divided by a tensor: CUDA turns a division by a Python number into a product with its rounded
+    # reciprocal, which is a bit off the IEEE quotient the kernels compute (and the CPU computes)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 MARGIN = 0.5
 ENGINE = dict(max_model_len=1024, gpu_memory_utilization=0.5)
 BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-# loose bounds (random weights, 28 layers of W8A8 noise): they catch a broken GEMM or scale, not a drift
-MIN_AGREEMENT, MAX_MEAN_KL = 0.95, 0.1
+# loose bounds (random weights, 28 layers of W8A8 noise, not yet measured on a GPU): a broken GEMM, scale or
+# shard gives a KL of nats and chance agreement; tighten them to the recorded figures once measured
+MIN_AGREEMENT, MAX_MEAN_KL = 0.9, 0.25
 
 
 def positions():
