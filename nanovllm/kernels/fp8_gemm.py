@@ -75,8 +75,8 @@ def _to_e4m3(y, INTERPRET: tl.constexpr):
         bits = y.to(tl.int32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
         subnormal = (y * 512.0 + 12582912.0 - 12582912.0) / 512.0
-        y = tl.where(tl.abs(y) < 0.015625, subnormal, normal)
-        y = tl.where(y == 0.0, y * 0.0, y)     # a negative value rounded to zero keeps its sign: -0
+        rounded = tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+        y = tl.where(rounded == 0.0, y * 0.0, rounded)     # a negative value rounded to zero keeps its sign: -0
     return y.to(tl.float8e4nv)
 
 
