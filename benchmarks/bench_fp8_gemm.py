@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py's floor uses)
 from nanovllm.kernels import fp8_gemm  # noqa: E402
-from nanovllm.kernels.fp8_gemm import GemmConfig  # noqa: E402
+from nanovllm.kernels.fp8_gemm import GemmConfig, SkinnyConfig  # noqa: E402
 from nanovllm.layers.quantization import quantize_weight  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # (N, K)
@@ -39,6 +39,18 @@ SWEEP = [GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 32, 128, 4, 6), GemmConfi
          GemmConfig(64, 64, 128, 4, 4), GemmConfig(64, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
          GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 256, 128, 8, 3),
          GemmConfig(128, 128, 64, 4, 4)]
+# the decode kernel (activation quantization fused in), for M up to block_m: CUDA-core products (False) or a
+# tensor-core dot on rows padded to 16 (True); block-scaled weights take only block_k 128
+SKINNY_SWEEP = [SkinnyConfig(1, 8, 256, 4, 4, False), SkinnyConfig(1, 16, 128, 4, 4, False),
+                SkinnyConfig(1, 16, 256, 4, 4, False), SkinnyConfig(1, 16, 512, 4, 3, False),
+                SkinnyConfig(1, 32, 128, 4, 4, False), SkinnyConfig(1, 32, 256, 8, 3, False),
+                SkinnyConfig(1, 16, 128, 2, 6, False), SkinnyConfig(1, 8, 512, 4, 3, False),
+                SkinnyConfig(4, 16, 128, 4, 4, False), SkinnyConfig(4, 8, 256, 4, 4, False),
+                SkinnyConfig(4, 32, 128, 4, 4, False), SkinnyConfig(4, 16, 256, 8, 3, False),
+                SkinnyConfig(4, 16, 128, 2, 4, False), SkinnyConfig(16, 16, 128, 4, 4, True),
+                SkinnyConfig(16, 32, 128, 4, 4, True), SkinnyConfig(16, 32, 128, 4, 6, True),
+                SkinnyConfig(16, 64, 128, 4, 4, True), SkinnyConfig(16, 16, 256, 2, 4, True),
+                SkinnyConfig(16, 32, 256, 4, 3, True), SkinnyConfig(16, 64, 128, 8, 3, True)]
 
 
 def weight_sets(n, k, sets):
@@ -55,6 +67,8 @@ def call_for(path, x, weights, config=None):
         return lambda: F.linear(x, weights["bf16"])
     block = path in ("triton-block", "block")
     q, s = weights["block" if block else "channel"]
+    if isinstance(config, SkinnyConfig):
+        return lambda: fp8_gemm.fp8_skinny_gemm(x, q, s, block, config)
     if config is not None:
         group = 128 if block else None
         return lambda: fp8_gemm.fp8_gemm(*fp8_gemm.quantize_activations(x, group), q, s, x.dtype, block, config)
@@ -111,7 +125,10 @@ def main() -> None:
         for m in counts:
             if args.sweep:
                 for scheme in ("channel", "block"):
-                    for config in SWEEP:
+                    for config in (SWEEP if m > 16 else SWEEP[:6] + SKINNY_SWEEP):
+                        if isinstance(config, SkinnyConfig) and (m > config.block_m or scheme == "block"
+                                                                 and config.block_k != 128):
+                            continue
                         try:
                             us = measure(scheme, n, k, m, sets, config)
                             print(f"  sweep {layer} M={m} {scheme} {config}: {us:9.1f} us", flush=True)

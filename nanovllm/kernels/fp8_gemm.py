@@ -56,8 +56,8 @@ CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
 
 
 def config_token_counts() -> tuple[int, ...]:
-    """One row count per tile config the GEMM can pick (the engine's warm-up runs each once)."""
-    return tuple(first for first, _ in CONFIGS)
+    """One row count per tile config fp8_linear can pick, skinny or not (the engine's warm-up runs each once)."""
+    return tuple(sorted({first for first, _ in CONFIGS} | {first for first, _ in SKINNY_CONFIGS}))
 
 
 def choose_config(num_rows: int) -> GemmConfig:
@@ -214,6 +214,110 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     return out
 
 
+# ---- decode: activation quantization fused into a weight-streaming GEMM ---------------------------------------
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_m: int        # rows of x per program: all of them (M <= block_m); 16 or more when use_dot
+    block_n: int
+    block_k: int        # 128 for block-scaled weights (one activation group a step)
+    num_warps: int
+    num_stages: int
+    use_dot: bool       # tensor-core dot (rows padded to 16), else products and sums on the CUDA cores
+
+
+# (smallest M, config), for an H100/H200: a decode step's few rows; M above the last bucket's block_m takes
+# the two-launch path (quantize_activations, then fp8_gemm or _scaled_mm)
+SKINNY_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
+    (1, SkinnyConfig(1, 16, 128, 4, 4, False)),
+    (2, SkinnyConfig(4, 16, 128, 4, 4, False)),
+    (5, SkinnyConfig(16, 32, 128, 4, 4, True)),
+)
+
+
+def choose_skinny_config(num_rows: int) -> SkinnyConfig | None:
+    fitting = [config for first, config in SKINNY_CONFIGS if num_rows >= first]
+    return fitting[-1] if fitting and num_rows <= fitting[-1].block_m else None
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_skinny_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                       stride_w_scale, BLOCK_SCALED: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """out [M, N] = x [M, K] (model dtype, M <= BLOCK_M) @ w [N, K]^T (e4m3, scales as _fp8_gemm_kernel's),
+    x quantized here to exactly quantize_activations' values: one launch instead of two, for the decode
+    steps where a launch costs as much as the weights' stream. Program j: columns [j*BLOCK_N, (j+1)*BLOCK_N)
+    for every row. Per-token scales need the whole row first: each program sweeps its rows once for their
+    amax (a few KB, from L2)."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_w + offs_k[:, None]           # [BLOCK_K, BLOCK_N], K-major
+    if not BLOCK_SCALED:
+        amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs + k)
+            else:
+                x = tl.load(x_ptrs + k, mask=(offs_k < K - k)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        amax = tl.maximum(tl.max(amax, 1), _MIN_AMAX)
+        x_scale = tl.math.div_rn(amax, tl.full([BLOCK_M], _FP8_MAX, tl.float32))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k).to(tl.float32)
+            w = tl.load(w_ptrs + k)
+        else:
+            inside = offs_k < K - k
+            x = tl.load(x_ptrs + k, mask=inside[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + k, mask=inside[:, None], other=0.0)
+        if BLOCK_SCALED:        # this step's 128 columns are one activation group
+            x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _MIN_AMAX),
+                                     tl.full([BLOCK_M], _FP8_MAX, tl.float32))
+        y = tl.math.div_rn(x, tl.broadcast_to(x_scale[:, None], (BLOCK_M, BLOCK_K)))
+        q = _to_e4m3(tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX), INTERPRET)
+        if USE_DOT:
+            part = tl.dot(q, w)
+        else:                   # e4m3 products are exact in float32
+            part = tl.sum(q.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        if BLOCK_SCALED:
+            w_scale = tl.load(w_scale_ptr + (cols // 128) * stride_w_scale + k // 128)
+            acc += part * x_scale[:, None] * w_scale[None, :]
+        else:
+            acc += part
+    if not BLOCK_SCALED:
+        acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + cols)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_scaled: bool,
+                    config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] in the model's dtype (M <= the config's block_m) times e4m3 weight [N, K]^T -> [M, N] in x's
+    dtype, activation quantization included. `config` overrides the one chosen for M (sweeps, tests)."""
+    num_rows, width = x.shape
+    num_cols = weight.shape[0]
+    config = config or choose_skinny_config(num_rows)
+    assert config is not None and num_rows <= config.block_m and weight.stride(1) == 1
+    assert not block_scaled or config.block_k == 128
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    _fp8_skinny_kernel[(triton.cdiv(num_cols, config.block_n),)](
+        x, weight, weight_scale, out, num_rows, num_cols, width, x.stride(0), weight.stride(0), out.stride(0),
+        weight_scale.stride(0) if block_scaled else 0, BLOCK_SCALED=block_scaled, USE_DOT=config.use_dot,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=width % config.block_k == 0, INTERPRET=x.device.type != "cuda", num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out
+
+
 @lru_cache(maxsize=None)
 def _has_rowwise_scaled_mm(device: torch.device) -> bool:
     """Row-wise scaled torch._scaled_mm runs on Hopper-class GPUs (compute capability 9.0 and up)."""
@@ -234,6 +338,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     num_rows, num_cols = x.shape[0], weight.shape[0]
+    if use_scaled_mm is None and choose_skinny_config(num_rows) is not None:
+        return fp8_skinny_gemm(x, weight, weight_scale, block_scaled).view(*shape[:-1], num_cols)
     q, scale = quantize_activations(x, GROUP if block_scaled else None)
     if not block_scaled:
         if use_scaled_mm is None:

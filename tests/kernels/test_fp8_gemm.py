@@ -7,18 +7,21 @@ from nanovllm.kernels import fp8_gemm
 from nanovllm.layers.quantization import (dequantize_weight, fp8_linear_torch, quantize_activations,
                                           quantize_weight)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"      # the small-shape tests: the interpreter on CPU, compiled on a GPU
+cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 def bits(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)
 
 
-def activations(m, k, dtype=torch.float32, device="cpu", seed=0):
-    """Rows of very different sizes, an all-zero row and a few outliers."""
+def activations(m, k, dtype=torch.float32, device=DEVICE, seed=0, zero_row=True):
+    """Rows of very different sizes, an all-zero first row (when there are others) and a few outliers."""
     g = torch.Generator(device).manual_seed(seed)
     x = torch.randn(m, k, generator=g, device=device) * torch.logspace(-3, 1, m, device=device)[:, None]
-    x[0] = 0.0
+    if zero_row and m > 1:
+        x[0] = 0.0
     x[-1, :: max(1, k // 7)] *= 50.0
     return x.to(dtype)
 
@@ -28,7 +31,7 @@ def activations(m, k, dtype=torch.float32, device="cpu", seed=0):
 @pytest.mark.parametrize("shape", [(1, 64), (6, 300), (3, 5000)])   # one group, ragged, more than one sweep
 def test_activation_quantization_is_the_torch_paths_bit_for_bit(shape, group, dtype):
     x = activations(*shape, dtype=dtype)
-    x[-1, 1:4] = torch.tensor([-1e-9, 1e-9, -3e-5]) * x[-1].abs().max()    # rounded to -0, 0 and -0
+    x[-1, 1:4] = torch.tensor([-1e-9, 1e-9, -3e-5], device=DEVICE) * x[-1].abs().max()    # rounded to -0, 0 and -0
     q, scale = fp8_gemm.quantize_activations(x, group)
     q_ref, scale_ref = quantize_activations(x, group)
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
@@ -43,20 +46,51 @@ def test_each_tile_config_matches_the_torch_path(first, block_scaled):
     scheme = "block" if block_scaled else "channel"
     m, n, k = config.block_m + 3, 2 * config.block_n + 5, 300
     x = activations(m, k, seed=first)
-    q_w, s_w = quantize_weight(torch.randn(n, k) * 0.05, scheme)
+    q_w, s_w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.05, scheme)
     q_x, s_x = fp8_gemm.quantize_activations(x, 128 if block_scaled else None)
     out = fp8_gemm.fp8_gemm(q_x, s_x, q_w, s_w, torch.float32, block_scaled, config=config)
     ref = fp8_linear_torch(x, q_w, s_w, scheme)          # float32 sums in another order: rounding apart
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("block_scaled", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("first", [first for first, _ in fp8_gemm.SKINNY_CONFIGS])
+def test_each_skinny_config_quantizes_in_the_gemm_as_the_torch_path_does(first, block_scaled):
+    """The decode kernel quantizes its rows itself (per token, or per 1x128 group): every M of its bucket, a
+    ragged K (masked tail; a partial last group) and ragged N, against the torch path's arithmetic. A
+    different rounding of one activation moves its products by 1/16: far outside float32's sum-order noise."""
+    config = fp8_gemm.choose_skinny_config(first)
+    scheme = "block" if block_scaled else "channel"
+    n = 2 * config.block_n + 5
+    q_w, s_w = quantize_weight(torch.randn(n, 300, device=DEVICE) * 0.05, scheme)
+    last = max(m for m in range(first, config.block_m + 1) if fp8_gemm.choose_skinny_config(m) == config)
+    for m in sorted({first, last}):
+        x = activations(m, 300, seed=m).bfloat16()
+        out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled)
+        ref = fp8_linear_torch(x.float(), q_w, s_w, scheme)
+        torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=1e-5 * ref.abs().max().item())
+    exact = fp8_gemm.fp8_skinny_gemm(x.float(), q_w, s_w, block_scaled)
+    torch.testing.assert_close(exact, fp8_linear_torch(x.float(), q_w, s_w, scheme), rtol=1e-4,
+                               atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_skinny_buckets_cover_a_decode_batch_then_hand_over():
+    assert fp8_gemm.choose_skinny_config(0) is None
+    largest = fp8_gemm.SKINNY_CONFIGS[-1][1].block_m
+    for m in range(1, largest + 1):
+        config = fp8_gemm.choose_skinny_config(m)
+        assert config is not None and m <= config.block_m and (config.block_m >= 16 or not config.use_dot)
+    assert fp8_gemm.choose_skinny_config(largest + 1) is None
+    assert set(first for first, _ in fp8_gemm.SKINNY_CONFIGS) <= set(fp8_gemm.config_token_counts())
+
+
 def test_fp8_linear_keeps_leading_dims_and_the_input_dtype():
     x = activations(6, 256).view(2, 3, 256)
-    q_w, s_w = quantize_weight(torch.randn(96, 256) * 0.05, "channel")
+    q_w, s_w = quantize_weight(torch.randn(96, 256, device=DEVICE) * 0.05, "channel")
     out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled=False)
     assert out.shape == (2, 3, 96) and out.dtype == torch.float32
     torch.testing.assert_close(out, fp8_linear_torch(x, q_w, s_w, "channel"), rtol=1e-5, atol=1e-5)
-    assert fp8_gemm.fp8_linear(torch.empty(0, 256), q_w, s_w, False).shape == (0, 96)
+    assert fp8_gemm.fp8_linear(torch.empty(0, 256, device=DEVICE), q_w, s_w, False).shape == (0, 96)
     assert not fp8_gemm.scaled_mm_applies(64, 96, 256, torch.bfloat16, torch.device("cpu"))
 
 
