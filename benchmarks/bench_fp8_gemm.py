@@ -39,18 +39,17 @@ SWEEP = [GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 32, 128, 4, 6), GemmConfi
          GemmConfig(64, 64, 128, 4, 4), GemmConfig(64, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
          GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 256, 128, 8, 3),
          GemmConfig(128, 128, 64, 4, 4)]
-# the decode kernel (activation quantization fused in), for M up to block_m: CUDA-core products (False) or a
-# tensor-core dot on rows padded to 16 (True); block-scaled weights take only block_k 128
-SKINNY_SWEEP = [SkinnyConfig(1, 8, 256, 4, 4, False), SkinnyConfig(1, 16, 128, 4, 4, False),
-                SkinnyConfig(1, 16, 256, 4, 4, False), SkinnyConfig(1, 16, 512, 4, 3, False),
-                SkinnyConfig(1, 32, 128, 4, 4, False), SkinnyConfig(1, 32, 256, 8, 3, False),
-                SkinnyConfig(1, 16, 128, 2, 6, False), SkinnyConfig(1, 8, 512, 4, 3, False),
-                SkinnyConfig(4, 16, 128, 4, 4, False), SkinnyConfig(4, 8, 256, 4, 4, False),
-                SkinnyConfig(4, 32, 128, 4, 4, False), SkinnyConfig(4, 16, 256, 8, 3, False),
-                SkinnyConfig(4, 16, 128, 2, 4, False), SkinnyConfig(16, 16, 128, 4, 4, True),
-                SkinnyConfig(16, 32, 128, 4, 4, True), SkinnyConfig(16, 32, 128, 4, 6, True),
-                SkinnyConfig(16, 64, 128, 4, 4, True), SkinnyConfig(16, 16, 256, 2, 4, True),
-                SkinnyConfig(16, 32, 256, 4, 3, True), SkinnyConfig(16, 64, 128, 8, 3, True)]
+# the decode kernel, for M up to block_m: (block_m, block_n, block_k, warps, stages, use_dot, quantize, programs
+# per SM); block-scaled weights take only block_k 128
+SKINNY_SWEEP = [SkinnyConfig(*c) for c in (
+    (1, 32, 256, 4, 3, False, True, 4), (1, 32, 256, 4, 3, False, True, 8), (1, 16, 256, 4, 3, False, True, 4),
+    (1, 32, 128, 4, 4, False, True, 4), (1, 64, 128, 4, 3, False, True, 4), (1, 16, 512, 4, 3, False, True, 4),
+    (1, 32, 256, 4, 3, False, False, 4), (1, 32, 128, 4, 4, False, False, 8),
+    (4, 16, 128, 4, 3, False, True, 4), (4, 32, 128, 4, 3, False, True, 4), (4, 16, 256, 8, 3, False, True, 4),
+    (4, 16, 128, 4, 3, False, True, 8), (4, 16, 128, 4, 3, False, False, 4),
+    (16, 32, 128, 4, 4, True, False, 4), (16, 64, 128, 4, 4, True, False, 4), (16, 32, 128, 4, 6, True, False, 4),
+    (16, 16, 128, 4, 4, True, False, 4), (16, 64, 128, 8, 3, True, False, 4), (16, 32, 128, 4, 4, True, False, 8),
+    (16, 32, 128, 4, 4, True, True, 4))]
 
 
 def weight_sets(n, k, sets):
@@ -125,7 +124,7 @@ def main() -> None:
         for m in counts:
             if args.sweep:
                 for scheme in ("channel", "block"):
-                    for config in (SWEEP if m > 16 else SWEEP[:6] + SKINNY_SWEEP):
+                    for config in (SWEEP if m > 16 else SWEEP[1:2] + SKINNY_SWEEP):
                         if isinstance(config, SkinnyConfig) and (m > config.block_m or scheme == "block"
                                                                  and config.block_k != 128):
                             continue
