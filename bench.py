@@ -499,6 +499,15 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
                 fraction_of_floor=fraction)
 
 
+def workload_names(text: str) -> tuple[str, ...]:
+    """--workload: "all", or one or more of WORKLOADS, comma-separated."""
+    names = WORKLOADS if text == "all" else tuple(text.split(","))
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}, all")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=("nanovllm", "hf"), default="nanovllm",
@@ -521,8 +530,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "floor; default: measured by timing a large device-to-device copy")
     parser.add_argument("--peak-tflops", type=float, help="peak matmul TFLOP/s for the prefill part of the floor; "
                         "default: 800 on CUDA, a measured float32 matmul on CPU")
-    parser.add_argument("--workload", choices=(*WORKLOADS, "all"),
-                        help="one of the five regimes (or all of them, on one engine with max_model_len "
+    parser.add_argument("--workload", type=workload_names,
+                        help="one of the five regimes, several comma-separated, or all of them (on one engine "
+                        "with max_model_len "
                         f"{WORKLOAD_MAX_MODEL_LEN} on a GPU): standard (the default workload), single-stream (1 "
                         "request, 512-token prompt, 1,024 tokens greedy; also ms/token and time to first token), "
                         "long-context (16 x 12,000-token prompts, 512 out), prefill-heavy (512 x 2,000, 8 out), "
@@ -601,7 +611,7 @@ def run_workloads(args: argparse.Namespace, model: Path, bandwidth: float, flops
     JSON line each."""
     from nanovllm import SamplingParams
 
-    names = WORKLOADS if args.workload == "all" else (args.workload,)
+    names = args.workload
     standard = dict(num_seqs=args.num_seqs, max_input_len=args.max_input_len, max_output_len=args.max_output_len)
     max_model_len = WORKLOAD_MAX_MODEL_LEN if args.device == "cuda" else MAX_MODEL_LEN
     llm = make_engine(args, model, max_model_len)

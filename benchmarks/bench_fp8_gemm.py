@@ -39,17 +39,9 @@ SWEEP = [GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 32, 128, 4, 6), GemmConfi
          GemmConfig(64, 64, 128, 4, 4), GemmConfig(64, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
          GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 128, 8, 4), GemmConfig(128, 256, 128, 8, 3),
          GemmConfig(128, 128, 64, 4, 4)]
-# the decode kernel, for M up to block_m: (block_m, block_n, block_k, warps, stages, use_dot, quantize, programs
-# per SM); block-scaled weights take only block_k 128
-SKINNY_SWEEP = [SkinnyConfig(*c) for c in (
-    (1, 32, 256, 4, 3, False, True, 4), (1, 32, 256, 4, 3, False, True, 8), (1, 16, 256, 4, 3, False, True, 4),
-    (1, 32, 128, 4, 4, False, True, 4), (1, 64, 128, 4, 3, False, True, 4), (1, 16, 512, 4, 3, False, True, 4),
-    (1, 32, 256, 4, 3, False, False, 4), (1, 32, 128, 4, 4, False, False, 8),
-    (4, 16, 128, 4, 3, False, True, 4), (4, 32, 128, 4, 3, False, True, 4), (4, 16, 256, 8, 3, False, True, 4),
-    (4, 16, 128, 4, 3, False, True, 8), (4, 16, 128, 4, 3, False, False, 4),
-    (16, 32, 128, 4, 4, True, False, 4), (16, 64, 128, 4, 4, True, False, 4), (16, 32, 128, 4, 6, True, False, 4),
-    (16, 16, 128, 4, 4, True, False, 4), (16, 64, 128, 8, 3, True, False, 4), (16, 32, 128, 4, 4, True, False, 8),
-    (16, 32, 128, 4, 4, True, True, 4))]
+# the decode GEMM (M <= 16): (block_n, warps, stages, programs per SM before K stops being split)
+SKINNY_SWEEP = [SkinnyConfig(*c) for c in ((64, 4, 4, 4), (32, 4, 4, 4), (64, 8, 3, 4), (32, 4, 6, 4), (16, 4, 4, 4),
+                                           (32, 4, 4, 8), (64, 4, 4, 2), (128, 8, 3, 4), (64, 4, 4, 1))]
 
 
 def weight_sets(n, k, sets):
@@ -66,10 +58,10 @@ def call_for(path, x, weights, config=None):
         return lambda: F.linear(x, weights["bf16"])
     block = path in ("triton-block", "block")
     q, s = weights["block" if block else "channel"]
+    group = 128 if block else None
     if isinstance(config, SkinnyConfig):
-        return lambda: fp8_gemm.fp8_skinny_gemm(x, q, s, block, config)
+        return lambda: fp8_gemm.fp8_skinny_gemm(*fp8_gemm.quantize_activations(x, group), q, s, x.dtype, block, config)
     if config is not None:
-        group = 128 if block else None
         return lambda: fp8_gemm.fp8_gemm(*fp8_gemm.quantize_activations(x, group), q, s, x.dtype, block, config)
     if block:
         return lambda: fp8_gemm.fp8_linear(x, q, s, block_scaled=True)
@@ -125,8 +117,7 @@ def main() -> None:
             if args.sweep:
                 for scheme in ("channel", "block"):
                     for config in (SWEEP if m > 16 else SWEEP[1:2] + SKINNY_SWEEP):
-                        if isinstance(config, SkinnyConfig) and (m > config.block_m or scheme == "block"
-                                                                 and config.block_k != 128):
+                        if isinstance(config, SkinnyConfig) and m > config.block_m:
                             continue
                         try:
                             us = measure(scheme, n, k, m, sets, config)

@@ -1,6 +1,7 @@
 """bench.py on CPU: the workload is upstream's draw, the floor matches DESIGN.md's worked numbers, and a
 tiny end-to-end run of each engine reports consistent figures. Parameters counted from a config match
 the checkpoint's; a mixture-of-experts floor reads the experts a step touches, a dense one is unchanged."""
+import argparse
 import importlib.util
 import json
 import random
@@ -384,3 +385,10 @@ def test_the_moe_shape_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert figures["num_params"] == bench.config_parameters(config)
     assert 0 < figures["expert_read_bytes"] < figures["weight_read_bytes"]
     assert 0 < figures["experts_touched_fraction"] <= 1 and figures["active_params"] < figures["num_params"]
+
+
+def test_workload_option_takes_one_several_or_all():
+    assert bench.workload_names("standard,prefill-heavy") == ("standard", "prefill-heavy")
+    assert bench.workload_names("all") == bench.WORKLOADS
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown workload 'fast'"):
+        bench.workload_names("standard,fast")

@@ -13,13 +13,15 @@ scales, in two launches that never wait for the host (a decode step replays in a
      both scales once after the K loop;
    - 128x128 block weights: our Triton kernel; each K step of 128 columns is one tensor-core dot whose float32
      result is scaled by its activation group's and weight block's scales before it joins the accumulator
-     (DeepSeek's promotion: the FP8 dot's limited internal accumulation never spans more than 128 products).
+     (DeepSeek's promotion: the FP8 dot's limited internal accumulation never spans more than 128 products);
+   - a decode step (M <= 16), either scheme: `fp8_skinny_gemm`, the same dot with K split over more programs
+     (a weight-bound GEMM needs every SM streaming), its parts added in a fixed order.
 
 Tiles are chosen on M alone (CONFIGS; M is never specialized on), so start-up can compile every variant by
 running one batch per bucket (config_token_counts). Under Triton's interpreter (CPU tests) float32 -> e4m3
 conversion is rounded by hand (its own cast rounds some values to the wrong binade).
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -214,25 +216,23 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     return out
 
 
-# ---- decode: a weight-streaming GEMM, split over K, with the activations' quantization fused in ---------------
+# ---- decode: the GEMM split over K ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SkinnyConfig:
-    block_m: int        # rows of x per program: all of them (M <= block_m); 16 when use_dot
     block_n: int
-    block_k: int        # 128 for block-scaled weights (one activation group a step)
     num_warps: int
     num_stages: int
-    use_dot: bool       # tensor-core dot on rows padded to 16, else products and sums on the CUDA cores
-    quantize: bool      # the kernel quantizes x itself (one launch), else quantize_activations runs first
     programs_per_sm: int = 4    # K is split until the grid has about this many programs per SM
+    block_m: int = 16           # every row of x in one tile (M <= block_m; a tensor-core dot takes 16 or more)
+    block_k: int = 128          # one activation group a step (block-scaled weights)
 
 
-# (smallest M, config), for an H100/H200: a decode step's few rows. M above the last bucket's block_m takes the
-# prefill path (quantize_activations, then fp8_gemm or _scaled_mm).
+# (smallest M, config): a decode step's few rows, from an H100 sweep (benchmarks/bench_fp8_gemm.py --sweep);
+# larger M takes fp8_gemm or _scaled_mm. (Tried and slower there: activation quantization fused into this
+# kernel, with CUDA-core products for M <= 4: their fp8 -> float32 conversions cost more than the launch saved.)
 SKINNY_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
-    (1, SkinnyConfig(1, 32, 256, 4, 3, False, True)),
-    (2, SkinnyConfig(4, 16, 128, 4, 3, False, True)),
-    (5, SkinnyConfig(16, 32, 128, 4, 4, True, False)),
+    (1, SkinnyConfig(64, 4, 4)),
+    (2, SkinnyConfig(32, 4, 4)),
 )
 
 
@@ -253,8 +253,8 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
 
 
 def split_k(num_col_tiles: int, width: int, config: SkinnyConfig, device: torch.device) -> int:
-    """Parts of K per column tile: enough programs to keep every SM streaming, each part a whole number of
-    K steps, and at least 4 of them."""
+    """Parts of K per column tile: enough programs to keep every SM streaming weights, each part at least
+    4 K steps."""
     split = 1
     target = config.programs_per_sm * _multiprocessors(device)
     while num_col_tiles * split < target and width >= 2 * split * 4 * config.block_k:
@@ -263,17 +263,14 @@ def split_k(num_col_tiles: int, width: int, config: SkinnyConfig, device: torch.
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_skinny_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-                       k_per_split, stride_x, stride_x_scale, stride_w, stride_out, stride_w_scale,
-                       QUANTIZE: tl.constexpr, BLOCK_SCALED: tl.constexpr, USE_DOT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """out [M, N] = x [M, K] @ w [N, K]^T for M <= BLOCK_M, with w's scales as _fp8_gemm_kernel's. x is the
-    model's activations (QUANTIZE: quantized here to exactly quantize_activations' values) or their e4m3
-    values with scales. Program (j, s): columns [j*BLOCK_N, (j+1)*BLOCK_N), K range [s*k_per_split, ...).
-    Parts of one column tile meet through a float32 buffer: the last to arrive (an atomic counter) adds them
-    in order, so the result does not depend on which finished first. Per-token scales need the whole row:
-    a quantizing program sweeps its rows once for their amax (a few KB from L2)."""
+def _fp8_skinny_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
+                       k_per_split, stride_a, stride_a_scale, stride_b, stride_c, stride_b_scale,
+                       BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """_fp8_gemm_kernel's product for M <= BLOCK_M, with K split: program (j, s) computes columns
+    [j*BLOCK_N, (j+1)*BLOCK_N) over K range [s*k_per_split, (s+1)*k_per_split). The parts of a column tile
+    meet in a float32 buffer [splits, BLOCK_M, N]: the last program to arrive (an atomic counter) adds them
+    in order, so the result does not depend on which part finished first."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -282,105 +279,62 @@ def _fp8_skinny_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_
     offs_k = tl.arange(0, BLOCK_K)
     rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_b + offs_k[:, None]            # [BLOCK_K, BLOCK_N], K-major
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_first = pid_k * k_per_split
-    x_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
-    w_ptrs = w_ptr + cols[None, :] * stride_w + offs_k[:, None]            # [BLOCK_K, BLOCK_N], K-major
-    if not BLOCK_SCALED:
-        if QUANTIZE:
-            amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                x = tl.load(x_ptrs + k, mask=(offs_k < K - k)[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-            amax = tl.maximum(tl.max(amax, 1), _MIN_AMAX)
-            x_scale = tl.math.div_rn(amax, tl.full([BLOCK_M], _FP8_MAX, tl.float32))
-        else:
-            x_scale = tl.load(x_scale_ptr + rows)
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:       # products summed over K once, after the loop
-        acc3 = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k in range(k_first, tl.minimum(k_first + k_per_split, K), BLOCK_K):
         inside = offs_k < K - k
-        w = tl.load(w_ptrs + k, mask=inside[:, None], other=0.0)
-        if QUANTIZE:
-            x = tl.load(x_ptrs + k, mask=inside[None, :], other=0.0).to(tl.float32)
-            if BLOCK_SCALED:        # this step's 128 columns are one activation group
-                x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _MIN_AMAX),
-                                         tl.full([BLOCK_M], _FP8_MAX, tl.float32))
-            y = tl.math.div_rn(x, tl.broadcast_to(x_scale[:, None], (BLOCK_M, BLOCK_K)))
-            q = _to_e4m3(tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX), INTERPRET)
-        else:
-            q = tl.load(x_ptrs + k, mask=inside[None, :], other=0.0)
-            if BLOCK_SCALED:
-                x_scale = tl.load(x_scale_ptr + rows * stride_x_scale + k // 128)
+        a = tl.load(a_ptrs + k, mask=inside[None, :], other=0.0)
+        b = tl.load(b_ptrs + k, mask=inside[:, None], other=0.0)
+        part = tl.dot(a, b)
         if BLOCK_SCALED:
-            w_scale = tl.load(w_scale_ptr + (cols // 128) * stride_w_scale + k // 128)
-        if USE_DOT:
-            part = tl.dot(q, w)
-            if BLOCK_SCALED:
-                part = part * x_scale[:, None] * w_scale[None, :]
-            acc += part
-        else:                       # e4m3 products are exact in float32
-            product = q.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
-            if BLOCK_SCALED:
-                product = product * (x_scale[:, None] * w_scale[None, :])[:, None, :]
-            acc3 += product
-    if not USE_DOT:
-        acc = tl.sum(acc3, axis=1)
+            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + k // 128)
+            b_scale = tl.load(b_scale_ptr + (cols // 128) * stride_b_scale + k // 128)
+            part = part * a_scale[:, None] * b_scale[None, :]
+        acc += part
     if not BLOCK_SCALED:
-        acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + cols)[None, :]
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        acc = acc * tl.load(a_scale_ptr + rows)[:, None] * tl.load(b_scale_ptr + cols)[None, :]
+    c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c + offs_n[None, :]
     if num_splits == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
-        # this part into the buffer [splits, BLOCK_M, N]; the counter's release orders it before the arrival
         tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + pid_k * BLOCK_M * N + tile, acc, mask=out_mask)
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        tl.store(partial_ptr + pid_k * BLOCK_M * N + tile, acc, mask=c_mask)
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")   # releases the part stored above
         if arrived == num_splits - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for part in range(0, num_splits):
-                total += tl.load(partial_ptr + part * BLOCK_M * N + tile, mask=out_mask, other=0.0,
+            for part_index in range(0, num_splits):
+                total += tl.load(partial_ptr + part_index * BLOCK_M * N + tile, mask=c_mask, other=0.0,
                                  cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
             tl.store(counter_ptr + pid_n, 0)        # ready for the next call (and graph replay)
 
 
-def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_scaled: bool,
-                    config: SkinnyConfig | None = None) -> torch.Tensor:
-    """x [M, K] in the model's dtype (M <= the config's block_m) times e4m3 weight [N, K]^T -> [M, N] in x's
-    dtype, activation quantization included. `config` overrides the one chosen for M (sweeps, tests)."""
-    num_rows, width = x.shape
-    num_cols = weight.shape[0]
-    if config is None:
-        config = choose_skinny_config(num_rows)
-        if block_scaled:        # one K step per activation group
-            config = replace(config, block_k=GROUP)
-    assert config is not None and num_rows <= config.block_m and weight.stride(1) == 1
-    assert not block_scaled or config.block_k == GROUP
-    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+def fp8_skinny_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    out_dtype: torch.dtype, block_scaled: bool, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """fp8_gemm for M <= 16 (a decode step), K split over more programs than N's tiles alone would give."""
+    num_rows, width = a.shape
+    num_cols = b.shape[0]
+    config = config or choose_skinny_config(num_rows)
+    assert config is not None and num_rows <= config.block_m and config.block_k == GROUP
+    assert a.stride(1) == 1 and b.stride(1) == 1 and a_scale.is_contiguous() and b_scale.is_contiguous()
+    out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a.device)
     if num_rows == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if config.quantize:
-        a, a_scale = x, x                           # (a_scale unused)
-    else:
-        a, a_scale = quantize_activations(x, GROUP if block_scaled else None)
     tiles = triton.cdiv(num_cols, config.block_n)
-    splits = split_k(tiles, width, config, x.device)
+    splits = split_k(tiles, width, config, a.device)
     steps = triton.cdiv(triton.cdiv(width, config.block_k), splits)
-    partial = torch.empty(splits, config.block_m, num_cols, dtype=torch.float32, device=x.device) if splits > 1 else out
-    counters = _tile_counters(x.device)
+    partial = (torch.empty(splits, config.block_m, num_cols, dtype=torch.float32, device=a.device) if splits > 1
+               else out)
+    counters = _tile_counters(a.device)
     assert tiles <= counters.numel()
     _fp8_skinny_kernel[(tiles, splits)](
-        a, a_scale, weight, weight_scale, out, partial, counters, num_rows, num_cols, width,
-        steps * config.block_k, a.stride(0), a_scale.stride(0) if block_scaled and not config.quantize else 0,
-        weight.stride(0), out.stride(0), weight_scale.stride(0) if block_scaled else 0,
-        QUANTIZE=config.quantize, BLOCK_SCALED=block_scaled, USE_DOT=config.use_dot, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, INTERPRET=x.device.type != "cuda",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        a, a_scale, b, b_scale, out, partial, counters, num_rows, num_cols, width, steps * config.block_k,
+        a.stride(0), a_scale.stride(0) if block_scaled else 0, b.stride(0), out.stride(0),
+        b_scale.stride(0) if block_scaled else 0, BLOCK_SCALED=block_scaled, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -404,9 +358,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     num_rows, num_cols = x.shape[0], weight.shape[0]
-    if use_scaled_mm is None and choose_skinny_config(num_rows) is not None:
-        return fp8_skinny_gemm(x, weight, weight_scale, block_scaled).view(*shape[:-1], num_cols)
     q, scale = quantize_activations(x, GROUP if block_scaled else None)
+    if use_scaled_mm is None and choose_skinny_config(num_rows) is not None:
+        return fp8_skinny_gemm(q, scale, weight, weight_scale, x.dtype, block_scaled).view(*shape[:-1], num_cols)
     if not block_scaled:
         if use_scaled_mm is None:
             use_scaled_mm = scaled_mm_applies(num_rows, num_cols, x.shape[1], x.dtype, x.device)

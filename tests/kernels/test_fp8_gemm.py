@@ -66,25 +66,22 @@ def test_each_tile_config_matches_the_torch_path(first, block_scaled):
 @pytest.mark.parametrize("split", [False, True], ids=["whole-k", "split-k"])
 @pytest.mark.parametrize("block_scaled", [False, True], ids=["channel", "block"])
 @pytest.mark.parametrize("first", [first for first, _ in fp8_gemm.SKINNY_CONFIGS])
-def test_each_skinny_config_matches_the_torch_path(first, block_scaled, split):
-    """The decode kernel, whether it quantizes its rows itself (per token, or per 1x128 group) or takes
-    quantize_activations' values, on every M of its bucket, a ragged K (a masked tail, a partial last group)
-    and ragged N, with K whole or split (parts added by the last program to arrive), against the torch
-    path's arithmetic. A different rounding of one activation moves its products by 1/16: far outside
-    float32's sum-order noise."""
+def test_each_decode_config_matches_the_torch_path(first, block_scaled, split):
+    """The decode GEMM on the first and last M of its bucket, ragged N and K (a masked tail, a partial last
+    group), K whole or split (parts added by the last program to arrive), against the torch path; through
+    fp8_linear in the model's dtype too."""
     config = fp8_gemm.choose_skinny_config(first)
-    if block_scaled:
-        config = replace(config, block_k=128)
     config = replace(config, programs_per_sm=64 if split else 0)
     scheme = "block" if block_scaled else "channel"
     n, k = 2 * config.block_n + 5, 8 * config.block_k + 76
     assert (fp8_gemm.split_k(3, k, config, torch.device(DEVICE)) > 1) == split
     q_w, s_w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.05, scheme)
-    last = max(m for m in range(first, config.block_m + 1) if fp8_gemm.choose_skinny_config(m) is not None
-               and fp8_gemm.choose_skinny_config(m).block_m == config.block_m)
+    last = max(m for m in range(first, config.block_m + 1) if fp8_gemm.choose_skinny_config(m) == config
+               or fp8_gemm.choose_skinny_config(m) == fp8_gemm.choose_skinny_config(first))
     for m in sorted({first, last}):
         x = activations(m, k, seed=m)
-        out = fp8_gemm.fp8_skinny_gemm(x, q_w, s_w, block_scaled, config)
+        q_x, s_x = fp8_gemm.quantize_activations(x, 128 if block_scaled else None)
+        out = fp8_gemm.fp8_skinny_gemm(q_x, s_x, q_w, s_w, torch.float32, block_scaled, config)
         ref = fp8_linear_torch(x, q_w, s_w, scheme)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
         x = x.bfloat16()                                       # the model's dtype, through the config chosen for M
@@ -99,7 +96,7 @@ def test_the_skinny_buckets_cover_a_decode_batch_then_hand_over():
     largest = fp8_gemm.SKINNY_CONFIGS[-1][1].block_m
     for m in range(1, largest + 1):
         config = fp8_gemm.choose_skinny_config(m)
-        assert config is not None and m <= config.block_m and (config.block_m >= 16 or not config.use_dot)
+        assert config is not None and m <= config.block_m
     assert fp8_gemm.choose_skinny_config(largest + 1) is None
     assert set(first for first, _ in fp8_gemm.SKINNY_CONFIGS) <= set(fp8_gemm.config_token_counts())
 
