@@ -222,7 +222,7 @@ class SkinnyConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    programs_per_sm: int = 4    # K is split until the grid has about this many programs per SM
+    programs_per_sm: int = 1    # K is split until the grid has about this many programs per SM
     block_m: int = 16           # every row of x in one tile (M <= block_m; a tensor-core dot takes 16 or more)
     block_k: int = 128          # one activation group a step (block-scaled weights)
 
@@ -231,8 +231,7 @@ class SkinnyConfig:
 # larger M takes fp8_gemm or _scaled_mm. (Tried and slower there: activation quantization fused into this
 # kernel, with CUDA-core products for M <= 4: their fp8 -> float32 conversions cost more than the launch saved.)
 SKINNY_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
-    (1, SkinnyConfig(64, 4, 4)),
-    (2, SkinnyConfig(32, 4, 4)),
+    (1, SkinnyConfig(64, 4, 4, programs_per_sm=1)),
 )
 
 

@@ -22,9 +22,11 @@ BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic
 # on an H100, 2026-11-24, KL 3.7e-2 to 4.9e-2 and agreement 0.85 to 0.91 on the ~11% of these random-weight
 # positions that are decided. A broken GEMM, scale or shard gives a KL of nats and chance agreement.
 MIN_AGREEMENT, MAX_MEAN_KL = 0.8, 0.08
-# the GPU kernels against the torch path's arithmetic (the same quantized values; float32 sums in another
-# order, Hopper's FP8 accumulation): far inside the format's noise
-KERNEL_MAX_KL, KERNEL_MIN_AGREEMENT = 1e-2, 0.95
+# the GPU kernels against the torch path's arithmetic run on the GPU: the same quantized values, float32 sums
+# in another order. Not bit-identical, and W8A8 amplifies that: an output one bf16 ulp apart can move a row's
+# amax, so the next layer rounds the whole row onto another grid. Measured (H100): KL 1.2e-2 to 1.5e-2, with
+# every decided position agreeing; a wrong scale, shard or tile gives KL in nats.
+KERNEL_MAX_KL, KERNEL_MIN_AGREEMENT = 2.5e-2, 0.97
 
 
 def positions():
