@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py's floor uses)
+from benchmarks.bench_moe import time_us  # noqa: E402  (the same CUDA-event timing, eager or one graph)
 from nanovllm.kernels import fp8_gemm  # noqa: E402
 from nanovllm.kernels.fp8_gemm import GemmConfig, SkinnyConfig  # noqa: E402
 from nanovllm.layers.quantization import quantize_weight  # noqa: E402
@@ -67,26 +68,6 @@ def call_for(path, x, weights, config=None):
         return lambda: fp8_gemm.fp8_linear(x, q, s, block_scaled=True)
     use = {"triton-channel": False, "scaled-mm": True, "chosen": None}[path]
     return lambda: fp8_gemm.fp8_linear(x, q, s, block_scaled=False, use_scaled_mm=use)
-
-
-def time_us(calls, graph: bool, iters: int) -> float:
-    for call in calls:
-        call()                                              # compile, allocate
-    torch.cuda.synchronize()
-    run = lambda: [call() for call in calls]
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * len(calls))
 
 
 def measure(path, n, k, m, sets, config=None):
