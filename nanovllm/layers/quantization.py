@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.kernels import fp8_gemm
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12    # an all-zero row or group: a tiny scale (its values quantize to 0), never 0/0
@@ -295,7 +297,6 @@ def fp8_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> 
     scheme = layer.quantization.scheme
     scale = getattr(layer, layer.quantization.scale_name)
     if x.is_cuda:
-        from nanovllm.kernels import fp8_gemm
         y = fp8_gemm.fp8_linear(x, layer.weight, scale, block_scaled=scheme == "block")
     else:
         y = fp8_linear_torch(x, layer.weight, scale, scheme)
@@ -307,5 +308,4 @@ def fp8_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
     none): the engine runs each at start-up, so that no request pays for a compilation."""
     if not any(getattr(m, "quantization", None) is not None for m in model.modules()):
         return ()
-    from nanovllm.kernels.fp8_gemm import config_token_counts
-    return config_token_counts()
+    return fp8_gemm.config_token_counts()
