@@ -76,24 +76,23 @@ def _weights(source: Path) -> dict:
     return tensors
 
 
-def to_block_fp8(source: str | Path, target: str | Path) -> Path:
+def _convert(source: str | Path, target: str | Path, quantize, scale_suffix: str, config: dict) -> Path:
+    """Every projection weight quantized (its scale saved as `<name><scale_suffix>`), the rest as it was."""
     tensors = {}
     for name, w in _weights(Path(source)).items():
         if LINEAR.search(name):
-            tensors[name], tensors[name + "_scale_inv"] = block_quantize(w)
+            tensors[name], tensors[name + scale_suffix] = quantize(w)
         else:
             tensors[name] = w
-    return _rewrite(Path(source), Path(target), tensors, BLOCK_CONFIG)
+    return _rewrite(Path(source), Path(target), tensors, config)
+
+
+def to_block_fp8(source: str | Path, target: str | Path) -> Path:
+    return _convert(source, target, block_quantize, "_scale_inv", BLOCK_CONFIG)
 
 
 def to_fp8_dynamic(source: str | Path, target: str | Path) -> Path:
-    tensors = {}
-    for name, w in _weights(Path(source)).items():
-        if LINEAR.search(name):
-            tensors[name], tensors[name + "_scale"] = channel_quantize(w)
-        else:
-            tensors[name] = w
-    return _rewrite(Path(source), Path(target), tensors, FP8_DYNAMIC_CONFIG)
+    return _convert(source, target, channel_quantize, "_scale", FP8_DYNAMIC_CONFIG)
 
 
 def dequantized(source: str | Path, target: str | Path) -> Path:
