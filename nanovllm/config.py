@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.layers.quantization import WeightQuantization, resolve_weight_quantization
-from nanovllm.models import MOE_ARCHITECTURES, model_class
+from nanovllm.models import model_class
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -143,10 +143,6 @@ class Config:
         self.quantization = "fp8" if self.weight_quantization else None
         if self.weight_quantization is None:
             return
-        moe = [a for a in getattr(self.hf_config, "architectures", None) or [] if a in MOE_ARCHITECTURES]
-        if moe:
-            raise ValueError(f"FP8 weights are not supported for mixture-of-experts models ({moe[0]}) yet: FP8 "
-                             f"experts are not implemented")
         if self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "
                              f"is {'.'.join(map(str, torch.cuda.get_device_capability()))}")

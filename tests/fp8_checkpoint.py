@@ -3,8 +3,9 @@ dequantized float32 copy transformers runs as the oracle.
 
 - `to_block_fp8`: Qwen's (and DeepSeek's) FP8 release layout: every attention and MLP projection weight in
   float8_e4m3fn with `weight_scale_inv`, float32, one per 128x128 block ([ceil(N/128), ceil(K/128)]; the
-  value is q * scale); embeddings, LM head and norms unchanged; quantization_config {"quant_method": "fp8",
-  "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}.
+  value is q * scale); embeddings, LM head, norms and MoE routers unchanged; quantization_config
+  {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+  with "modules_to_not_convert" naming the LM head and each router (as Qwen3-30B-A3B-FP8's does).
 - `to_fp8_dynamic`: compressed-tensors' FP8-dynamic layout (llm-compressor's): the same weights with
   `weight_scale` [N, 1] per output channel, in the checkpoint's dtype, "ignore": ["lm_head"].
 - `dequantized`: a copy whose quantized weights are q * scale in float32, with no quantization_config.
@@ -21,7 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8_MAX = 448.0
-LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# the projections (Qwen's and Llama's names; Mixtral's experts: w1, w2, w3), not the routers (mlp.gate)
+LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$|\.experts\.\d+\.w[123]\.weight$")
+ROUTER = re.compile(r"^(?P<module>.*\.(mlp|block_sparse_moe)\.gate)\.weight$")
 BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 FP8_DYNAMIC_CONFIG = {
     "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -88,7 +91,9 @@ def _convert(source: str | Path, target: str | Path, quantize, scale_suffix: str
 
 
 def to_block_fp8(source: str | Path, target: str | Path) -> Path:
-    return _convert(source, target, block_quantize, "_scale_inv", BLOCK_CONFIG)
+    routers = sorted(m["module"] for m in map(ROUTER.match, _weights(Path(source))) if m)
+    return _convert(source, target, block_quantize, "_scale_inv",
+                    {**BLOCK_CONFIG, "modules_to_not_convert": ["lm_head", *routers]})
 
 
 def to_fp8_dynamic(source: str | Path, target: str | Path) -> Path:

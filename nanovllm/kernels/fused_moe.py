@@ -22,6 +22,11 @@ every grid depends on the token count T alone, and T-dependent integers are neve
 The roundings are the torch oracle's (nanovllm.layers.fused_moe): gate, up, silu(gate), the product,
 the expert's output and its weighted value are each rounded to the input dtype; the k-sum once.
 
+FP8 experts (e4m3 weights with per-row or 128x128-block scales) add two launches: the hidden states and the
+activations are quantized as a linear layer's input is (nanovllm.kernels.fp8_gemm.quantize_activations, per
+row or per 128 columns), and each K step is its own FP8 dot whose float32 result joins the accumulator (times
+the step's scales if block-scaled; per-row scales once, in the epilogue).
+
 Tiles are chosen on the rows an expert sees on average, T*k/E (CONFIGS): decode (few pairs per expert) takes 16- or 32-row blocks and long
 K steps, so that enough programs stream the experts' weights; prefill takes 64/128-row tensor-core tiles.
 float32 inputs take exact (IEEE) dots on smaller tiles. On CPU tensors (Triton's interpreter, the
@@ -32,6 +37,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.fp8_gemm import GROUP, quantize_activations
 
 SCAN_CHUNK = 1024      # pair ids read per step by the counting and placing scans
 
@@ -72,9 +79,11 @@ def config_token_counts(top_k: int, num_experts: int) -> tuple[int, ...]:
     return tuple(max(1, -(-rows * num_experts // top_k)) for rows, _ in CONFIGS)
 
 
-def choose_config(num_tokens: int, dtype: torch.dtype, top_k: int, num_experts: int) -> MoeConfig:
+def choose_config(num_tokens: int, dtype: torch.dtype, top_k: int, num_experts: int, fp8: bool = False) -> MoeConfig:
     rows_per_expert = num_tokens * top_k // num_experts
     config = [c for rows, c in CONFIGS if rows_per_expert >= rows][-1]
+    if fp8:     # 1-byte operands: K steps of 128 (one scale block each) load the bytes a 16-bit step of 64 does
+        config = replace(config, gate_up=replace(config.gate_up, block_k=128), down=replace(config.down, block_k=128))
     if dtype == torch.float32:      # IEEE dots and 4-byte tiles: smaller ones fit in shared memory
         small = Tile(min(config.gate_up.block_n, 64), 32, 4, 2)
         config = replace(config, gate_up=small, down=small)
@@ -246,10 +255,25 @@ def _block_rows(sorted_ptr, block_expert_ptr, num_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, hidden_size, inter_size,
-                    stride_hidden, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fp8_part(a, b, a_scale_ptrs, b_scale_ptrs, k, SCALES: tl.constexpr):
+    """One K step's FP8 product in float32: its own tensor-core dot (never more than BLOCK_K <= 128
+    products in Hopper's narrow FP8 accumulator), times the step's activation-group and weight-block scales
+    if block-scaled (per-channel scales are applied once, after the K loop)."""
+    part = tl.dot(a, b)
+    if SCALES == "block":
+        part = part * tl.load(a_scale_ptrs + k // 128)[:, None] * tl.load(b_scale_ptrs + k // 128)[None, :]
+    return part
+
+
+@triton.jit
+def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, a_scale_ptr, w_scale_ptr,
+                    hidden_size, inter_size, stride_hidden, stride_we, stride_wn, stride_a_scale, stride_se,
+                    stride_sn, up_scale_offset, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, SCALES: tl.constexpr):
+    """SCALES "none": 16/32-bit operands. "channel": e4m3 hidden rows with a scale per token and e4m3 weights
+    with one per output row ([E, 2I]); "block": a scale per token and 128 columns, and per 128x128 weight
+    block ([E, gate blocks then up blocks, K blocks]); up's scales start up_scale_offset entries after gate's."""
     expert, n_tile, pairs = _block_rows(sorted_ptr, block_expert_ptr, tl.cdiv(inter_size, BLOCK_N), BLOCK_M)
     if expert < 0:
         return
@@ -262,6 +286,12 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, 
     gate_ptrs = (w13_ptr + expert.to(tl.int64) * stride_we + (cols % inter_size)[None, :] * stride_wn
                  + offs_k[:, None])
     up_offset = inter_size * stride_wn
+    a_scale_ptrs = a_scale_ptr + tokens * stride_a_scale
+    gate_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se
+    if SCALES == "block":
+        gate_scale_ptrs += ((cols % inter_size) // 128) * stride_sn
+    else:
+        gate_scale_ptrs += cols % inter_size
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, hidden_size, BLOCK_K):
@@ -274,10 +304,18 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, 
             a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
             gate = tl.load(gate_ptrs, mask=inside[:, None], other=0.0)
             up = tl.load(gate_ptrs + up_offset, mask=inside[:, None], other=0.0)
-        acc_gate = _dot(a, gate, acc_gate, PRECISION)
-        acc_up = _dot(a, up, acc_up, PRECISION)
+        if SCALES == "none":
+            acc_gate = _dot(a, gate, acc_gate, PRECISION)
+            acc_up = _dot(a, up, acc_up, PRECISION)
+        else:
+            acc_gate += _fp8_part(a, gate, a_scale_ptrs, gate_scale_ptrs, k, SCALES)
+            acc_up += _fp8_part(a, up, a_scale_ptrs, gate_scale_ptrs + up_scale_offset, k, SCALES)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
+    if SCALES == "channel":
+        a_scale = tl.load(a_scale_ptrs)[:, None]
+        acc_gate = acc_gate * a_scale * tl.load(gate_scale_ptrs)[None, :]
+        acc_up = acc_up * a_scale * tl.load(gate_scale_ptrs + up_scale_offset)[None, :]
     dtype = act_ptr.dtype.element_ty
     gate = _round(acc_gate, dtype, PRECISION)
     act = _round(gate * tl.sigmoid(gate), dtype, PRECISION)
@@ -287,9 +325,12 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, 
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out_ptr, hidden_size,
-                 inter_size, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out_ptr, a_scale_ptr, w_scale_ptr,
+                 hidden_size, inter_size, stride_we, stride_wn, stride_a_scale, stride_se, stride_sn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, SCALES: tl.constexpr):
+    """SCALES as _gate_up_kernel's: act rows (e4m3 unless "none") scaled per pair (and 128 columns if
+    "block"), the experts' down weights per output row ([E, H]) or per 128x128 block."""
     expert, n_tile, pairs = _block_rows(sorted_ptr, block_expert_ptr, tl.cdiv(hidden_size, BLOCK_N), BLOCK_M)
     if expert < 0:
         return
@@ -300,6 +341,12 @@ def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out
     a_ptrs = act_ptr + rows[:, None] * inter_size + offs_k[None, :]
     b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we + (cols % hidden_size)[None, :] * stride_wn
               + offs_k[:, None])
+    a_scale_ptrs = a_scale_ptr + rows * stride_a_scale
+    b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se
+    if SCALES == "block":
+        b_scale_ptrs += ((cols % hidden_size) // 128) * stride_sn
+    else:
+        b_scale_ptrs += cols % hidden_size
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, inter_size, BLOCK_K):
         if EVEN_K:
@@ -309,9 +356,14 @@ def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out
             inside = offs_k < inter_size - k
             a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=inside[:, None], other=0.0)
-        acc = _dot(a, b, acc, PRECISION)
+        if SCALES == "none":
+            acc = _dot(a, b, acc, PRECISION)
+        else:
+            acc += _fp8_part(a, b, a_scale_ptrs, b_scale_ptrs, k, SCALES)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SCALES == "channel":
+        acc = acc * tl.load(a_scale_ptrs)[:, None] * tl.load(b_scale_ptrs)[None, :]
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
     out = _round(_round(acc, dtype, PRECISION) * weight[:, None], dtype, PRECISION).to(dtype)
@@ -332,23 +384,37 @@ def _sum_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_K: t
              mask=cols < hidden_size)
 
 
+def _scales(scale: torch.Tensor | None) -> str:
+    """The SCALES constant for an experts' weight-scale tensor: None, [E, N] (per row) or [E, N/128, K/128]."""
+    return "none" if scale is None else "channel" if scale.dim() == 2 else "block"
+
+
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) for hidden_states [T, H],
     w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; [T, H] in hidden_states' dtype. topk_ids
-    int32 or int64. `config` overrides the tiles chosen for T (benchmark sweeps, tests)."""
+    int32 or int64. `config` overrides the tiles chosen for T (benchmark sweeps, tests).
+
+    FP8 experts: e4m3 w13 and w2 with float32 scales, per output row (w13_scale [E, 2I], w2_scale [E, H]:
+    the hidden states and the activations quantized per row) or per 128x128 block (w13_scale
+    [E, 2 ceil(I/128), ceil(H/128)], gate's blocks then up's; w2_scale [E, ceil(H/128), ceil(I/128)]: the
+    rows quantized per 128 columns), as nanovllm.kernels.fp8_gemm quantizes a linear layer's input."""
     num_tokens, hidden_size = hidden_states.shape
     num_experts, double_inter, _ = w13.shape
     inter_size, top_k = double_inter // 2, topk_ids.shape[1]
     dtype, device = hidden_states.dtype, hidden_states.device
     assert w13.shape == (num_experts, 2 * inter_size, hidden_size) and w2.shape == (num_experts, hidden_size, inter_size)
-    assert w13.dtype == w2.dtype == dtype and w13.is_contiguous() and w2.is_contiguous()
+    assert w13.is_contiguous() and w2.is_contiguous()
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    scales = _scales(w13_scale)
+    assert scales == _scales(w2_scale)
+    assert w13.dtype == w2.dtype == (dtype if scales == "none" else torch.float8_e4m3fn)
     if num_tokens == 0:
         return torch.empty(0, hidden_size, dtype=dtype, device=device)
     if hidden_states.stride(1) != 1:
         hidden_states = hidden_states.contiguous()
-    config = config or choose_config(num_tokens, dtype, top_k, num_experts)
+    config = config or choose_config(num_tokens, dtype, top_k, num_experts, fp8=scales != "none")
     # no copies for the kernels' route (int32 ids, float32 weights, contiguous)
     flat_ids = topk_ids.to(torch.int32).contiguous().view(-1)
     flat_weights = topk_weights.to(torch.float32).contiguous().view(-1)
@@ -357,20 +423,23 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     precision = _precision(dtype, device)
 
     tile = config.gate_up
+    a, a_scale, w13_scale, up_scale_offset = _operands(hidden_states, w13_scale, scales, inter_size)
     act = torch.empty(num_pairs, inter_size, dtype=dtype, device=device)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter_size, tile.block_n),)](
-        hidden_states, w13, sorted_pairs, block_expert, act, hidden_size, inter_size, hidden_states.stride(0),
-        w13.stride(0), w13.stride(1), TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, EVEN_K=hidden_size % tile.block_k == 0, PRECISION=precision,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        a, w13, sorted_pairs, block_expert, act, a_scale, w13_scale, hidden_size, inter_size, a.stride(0),
+        w13.stride(0), w13.stride(1), a_scale.stride(0), w13_scale.stride(0), _inner_stride(w13_scale),
+        up_scale_offset, TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=hidden_size % tile.block_k == 0, PRECISION=precision, SCALES=scales, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
     tile = config.down
+    a, a_scale, w2_scale, _ = _operands(act, w2_scale, scales, 0)
     out_pairs = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
     _down_kernel[(num_blocks * triton.cdiv(hidden_size, tile.block_n),)](
-        act, w2, sorted_pairs, block_expert, flat_weights, out_pairs, hidden_size, inter_size, w2.stride(0),
-        w2.stride(1), BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=inter_size % tile.block_k == 0, PRECISION=precision, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        a, w2, sorted_pairs, block_expert, flat_weights, out_pairs, a_scale, w2_scale, hidden_size, inter_size,
+        w2.stride(0), w2.stride(1), a_scale.stride(0), w2_scale.stride(0), _inner_stride(w2_scale),
+        BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_size % tile.block_k == 0,
+        PRECISION=precision, SCALES=scales, num_warps=tile.num_warps, num_stages=tile.num_stages)
     if top_k == 1:                                  # a sum of one: already rounded once
         return out_pairs
 
@@ -380,3 +449,19 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         out_pairs, out, hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
         PRECISION=precision, num_warps=4)
     return out
+
+
+def _operands(x: torch.Tensor, weight_scale: torch.Tensor | None, scales: str,
+              inter_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A GEMM's A operand and its scales (x quantized, per row or per 128 columns, for FP8 experts), the
+    weight scales (x itself as a never-read stand-in when there are none), and where up's scales start."""
+    if scales == "none":
+        return x, x, x, 0
+    a, a_scale = quantize_activations(x, GROUP if scales == "block" else None)
+    up_scale_offset = (weight_scale.shape[1] // 2 * weight_scale.stride(1) if scales == "block" else inter_size)
+    return a, a_scale, weight_scale, up_scale_offset
+
+
+def _inner_stride(weight_scale: torch.Tensor) -> int:
+    """Between an expert's rows of block scales (per-row scales are contiguous: unused)."""
+    return weight_scale.stride(1) if weight_scale.dim() == 3 else 0

@@ -6,12 +6,19 @@ the dense MLP's gate_up_proj) and [experts, hidden, intermediate] for down. Tens
 expert's intermediate dimension over the ranks, as a dense MLP's, and sums the partial outputs with one
 all-reduce; the router is replicated. On a GPU the Triton kernels in nanovllm.kernels.fused_moe do the
 routing and the grouped GEMMs; the torch functions here are the CPU path and the kernels' oracle.
+
+A model built under an FP8 weight quantization (layers/quantization.py) gets e4m3 experts with float32
+scales, per output row or per 128x128 block (the checkpoint's `weight_scale` / `weight_scale_inv` of each
+expert's projections, stacked as the weights are: w13's gate blocks, then its up blocks); the router stays in
+the model's dtype. Each expert computes what an FP8 linear layer computes.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.quantization import (BLOCK, FP8, WeightQuantization, current_quantization, fp8_linear_torch,
+                                          quantize_weight)
 from nanovllm.utils.parallel import current_group
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,25 +31,42 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T rounded to x's dtype; FP8 weights as a quantized linear layer computes it."""
+    if scale is None:
+        return F.linear(x, weight)
+    return fp8_linear_torch(x, weight, scale, "block" if scale.dim() == 2 else "channel")
+
+
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) for hidden_states [T, H],
-    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I].
+    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; FP8 experts with their scales as
+    nanovllm.kernels.fused_moe.fused_moe takes them.
 
     The roundings are the dense MLP's: the gate/up product and the activation are rounded to the input
     dtype, as is each expert's output and its weighted value; the k weighted outputs are summed in
     float32 and rounded once."""
     num_tokens, top_k = topk_ids.shape
     dtype = hidden_states.dtype
+    inter_size = w13.shape[1] // 2
+    # the gate's scales, then the up's: per row [E, 2I], or per block [E, 2 x row blocks, column blocks]
+    up_scales = None if w13_scale is None else w13_scale.shape[1] // 2
     # each (token, j) pair's weighted expert output in its own row: no index_add_ (slow on busy CPU threads)
     pair_out = torch.zeros(num_tokens * top_k, hidden_states.shape[1], dtype=torch.float32,
                            device=hidden_states.device)
     flat_ids = topk_ids.reshape(-1)
     for expert in flat_ids.unique().tolist():
         pairs = (flat_ids == expert).nonzero().squeeze(1)
-        gate, up = F.linear(hidden_states[pairs // top_k], w13[expert]).chunk(2, dim=-1)
+        x = hidden_states[pairs // top_k]
+        if w13_scale is None:
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+        else:
+            gate = _expert_linear(x, w13[expert, :inter_size], w13_scale[expert, :up_scales])
+            up = _expert_linear(x, w13[expert, inter_size:], w13_scale[expert, up_scales:])
         act = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
-        y = F.linear(act, w2[expert])
+        y = _expert_linear(act, w2[expert], None if w2_scale is None else w2_scale[expert])
         pair_out[pairs] = (y.float() * topk_weights.reshape(-1)[pairs, None]).to(dtype).float()
     return pair_out.view(num_tokens, top_k, -1).sum(1).to(dtype)
 
@@ -60,35 +84,101 @@ class FusedMoE(nn.Module):
                              f"intermediate size {intermediate_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size // self.tp.size     # this rank's share
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        self.quantization = current_quantization()
+        quantized = self.quantization is not None and not self.quantization.online
+        dtype = FP8 if quantized else None
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, dtype=dtype),
+                                      requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        if self.quantization is not None and self.quantization.scheme == "block" and self.tp.size > 1 \
+                and self.intermediate_size % BLOCK:
+            raise ValueError(f"block-FP8 experts are split with their 128x128 scale blocks: the experts' "
+                             f"intermediate size per rank ({self.intermediate_size}, tensor_parallel_size="
+                             f"{self.tp.size}) must be a multiple of {BLOCK}")
+        if quantized:
+            if self.quantization.scheme == "block":
+                blocks = lambda n: -(-n // BLOCK)       # noqa: E731
+                shapes = ((num_experts, 2 * blocks(self.intermediate_size), blocks(hidden_size)),
+                          (num_experts, blocks(hidden_size), blocks(self.intermediate_size)))
+            else:
+                shapes = ((num_experts, 2 * self.intermediate_size), (num_experts, hidden_size))
+            for name, shape in zip(("w13", "w2"), shapes):
+                self._register_scale(name, torch.empty(shape, dtype=torch.float32))
+
+    def _register_scale(self, name: str, scale: torch.Tensor) -> None:
+        param = nn.Parameter(scale, requires_grad=False)
+        if self.quantization.scheme == "block":
+            param.shard_unit = BLOCK        # each entry covers 128 weight rows and 128 columns
+        param.weight_loader = self.weight_loader
+        self.register_parameter(f"{name}_{self.quantization.scale_name}", param)
+
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(w13's, w2's) FP8 weight scales, or (None, None) for experts in the model's dtype."""
+        if self.w13_weight.dtype != FP8:
+            return None, None
+        name = self.quantization.scale_name
+        return getattr(self, f"w13_{name}"), getattr(self, f"w2_{name}")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int | None,
                       shard: str) -> None:
-        """Copy this rank's slice of one checkpoint tensor: shard "gate", "up" or "down" of `expert`, or
-        (expert None) the same shard of every expert at once ([E, ...], transformers' fused layout)."""
+        """Copy this rank's slice of one checkpoint tensor (a weight or its FP8 scales): shard "gate", "up"
+        or "down" of `expert`, or (expert None) the same shard of every expert at once ([E, ...],
+        transformers' fused layout)."""
         target = param.data if expert is None else param.data[expert]
-        size = self.intermediate_size
+        if loaded_weight.dim() == target.dim() + 1 and loaded_weight.shape[-1] == 1:
+            loaded_weight = loaded_weight.squeeze(-1)       # compressed-tensors' per-row scales: [N, 1]
+        matrix = param.dim() == 3           # weights and block scales; per-row scales are [E, rows]
+        size = -(-self.intermediate_size // getattr(param, "shard_unit", 1))
+        source = loaded_weight
         if shard in ("gate", "up"):
-            target = target.narrow(-2, 0 if shard == "gate" else size, size)
-            source = loaded_weight.narrow(-2, self.tp.rank * size, size)
-        else:
+            target = target.narrow(-2 if matrix else -1, 0 if shard == "gate" else size, size)
+            source = loaded_weight.narrow(-2 if matrix else -1, self.tp.rank * size, size)
+        elif matrix:                        # down's input columns are split; its per-row scales are whole
             source = loaded_weight.narrow(-1, self.tp.rank * size, size)
         if target.shape != source.shape:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit the "
-                             f"experts' {shard} weight {tuple(target.shape)}")
+                             f"experts' {shard} part {tuple(target.shape)}")
+        if (source.dtype == FP8) != (target.dtype == FP8):
+            raise ValueError(f"checkpoint tensor of dtype {source.dtype} for experts built with {target.dtype} "
+                             f"weights: the checkpoint's quantization_config does not describe its experts")
         target.copy_(source)
 
+    def process_weights_after_loading(self) -> None:
+        """Online FP8 quantization, once every expert is loaded: each expert's projections as a linear
+        layer's (the scheme's scales; block scales of gate and up separately, as a checkpoint stores them)."""
+        if self.quantization is None or not self.quantization.online or self.w13_weight.dtype == FP8:
+            return
+        inter_size = self.intermediate_size
+        for name in ("w13", "w2"):
+            weight = getattr(self, f"{name}_weight").data
+            parts = (weight[:, :inter_size], weight[:, inter_size:]) if name == "w13" else (weight,)
+            values, scales = zip(*(_quantize_experts(part, self.quantization) for part in parts))
+            setattr(self, f"{name}_weight", nn.Parameter(torch.cat(values, 1), requires_grad=False))
+            self._register_scale(name, torch.cat(scales, 1))
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        w13_scale, w2_scale = self.scales()
         if hidden_states.is_cuda:
             from nanovllm.kernels import fused_moe as kernels
             topk_weights, topk_ids = kernels.route(router_logits, self.top_k, self.renormalize)
-            out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                    w13_scale=w13_scale, w2_scale=w2_scale)
         else:
             topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
-            out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, w13_scale,
+                            w2_scale)
         return self.tp.all_reduce(out)
+
+
+def _quantize_experts(weights: torch.Tensor, quantization: WeightQuantization) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3 [E, N, K], scales [E, N] or [E, ceil(N/128), ceil(K/128)]), expert by expert."""
+    if quantization.scheme == "channel":
+        values, scales = quantize_weight(weights.reshape(-1, weights.shape[-1]), "channel")
+        return values.view(weights.shape), scales.view(weights.shape[:2])
+    values, scales = zip(*(quantize_weight(w, "block") for w in weights))
+    return torch.stack(values), torch.stack(scales)
 
 
 class SparseMoeBlock(nn.Module):

@@ -9,9 +9,11 @@ from safetensors import safe_open
 from torch import nn
 
 # a checkpoint's per-expert tensor: "...experts.{e}.{name}.weight" (Qwen: gate_proj/up_proj/down_proj,
-# Mixtral: w1/w3/w2); the model's stacked parameters are "...experts.w13_weight" (gate, up) and "w2_weight"
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
-_STACKED_SHARDS = {"w13_weight": ("gate", "up"), "w2_weight": ("down",)}
+# Mixtral: w1/w3/w2), or its FP8 scales ("....weight_scale_inv", "....weight_scale"); the model's stacked
+# parameters are "...experts.w13_weight" (gate, up) and "w2_weight", and their scales "w13_weight_scale_inv"...
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\."
+                            r"(?P<tensor>weight|weight_scale|weight_scale_inv)$")
+_STACKED_SHARDS = {"w13": ("gate", "up"), "w2": ("down",)}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -63,6 +65,8 @@ def load_model(model: nn.Module, path: str) -> None:
                 if expert is not None:
                     param_name, expert_id, shard = expert
                     param = params.get(param_name)
+                    if param is None and not param_name.endswith("_weight"):
+                        _refuse_unexpected_scales(path, checkpoint_name)
                     if param is not None:
                         param.weight_loader(param, f.get_tensor(checkpoint_name), expert_id, shard)
                         loaded.add((param_name, expert_id, shard))
@@ -75,9 +79,7 @@ def load_model(model: nn.Module, path: str) -> None:
                 param = params.get(name)
                 if param is None:
                     if name.endswith((".weight_scale", ".weight_scale_inv")):
-                        raise ValueError(f"checkpoint {path!r} has FP8 weight scales ({checkpoint_name}) that the "
-                                         f"model does not expect: its config.json lacks the quantization_config "
-                                         f"that describes them")
+                        _refuse_unexpected_scales(path, checkpoint_name)
                     continue
                 tensor = _checked(checkpoint_name, f.get_tensor(checkpoint_name), param)
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
@@ -89,9 +91,15 @@ def load_model(model: nn.Module, path: str) -> None:
     after_loading(model)
 
 
+def _refuse_unexpected_scales(path: str, checkpoint_name: str) -> None:
+    raise ValueError(f"checkpoint {path!r} has FP8 weight scales ({checkpoint_name}) that the model does not "
+                     f"expect: its config.json lacks the quantization_config that describes them (or names a "
+                     f"different scheme)")
+
+
 def _experts_complete(name: str, param: nn.Parameter, loaded: set) -> bool:
     """Whether a stacked experts parameter got every expert's every shard."""
-    shards = _STACKED_SHARDS.get(name.rsplit(".", 1)[-1])
+    shards = _STACKED_SHARDS.get(name.rsplit(".", 1)[-1].split("_", 1)[0])
     return shards is not None and all((name, e, s) in loaded for e in range(param.shape[0]) for s in shards)
 
 
@@ -118,5 +126,5 @@ def expert_tensor(name: str, shards: dict[str, str]) -> tuple[str, int, str] | N
     if match is None or match["name"] not in shards:
         return None
     shard = shards[match["name"]]
-    param = "w2_weight" if shard == "down" else "w13_weight"
-    return f"{match['prefix']}.{param}", int(match["expert"]), shard
+    stacked = "w2" if shard == "down" else "w13"
+    return f"{match['prefix']}.{stacked}_{match['tensor']}", int(match["expert"]), shard

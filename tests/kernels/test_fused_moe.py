@@ -4,13 +4,15 @@ On CPU through Triton's interpreter at tiny shapes (tiles of 16 so that a few pa
 and column tiles); on a GPU at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, under CUDA graphs, and with no
 compilation past the warm-up's token counts. float32 agrees to rounding of the sums' order; bfloat16 to a
 few units in the last place (the oracle rounds at the same points: gate, up, silu, product, expert output,
-weighted output, and the k-sum once)."""
+weighted output, and the k-sum once). FP8 experts (per-row and 128x128-block scales) against the oracle's
+FP8 arithmetic (nanovllm.layers.quantization's torch path, expert by expert) the same way."""
 import pytest
 import torch
 
 from nanovllm.kernels import fused_moe as kernels
 from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, config_token_counts, group_pairs
 from nanovllm.layers import fused_moe as oracle
+from nanovllm.layers.quantization import WeightQuantization
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -47,13 +49,22 @@ def _check(out, ref, ulps):
     assert worst <= 1, f"off by {worst:.2f} x the bound ({ulps} ulps)"
 
 
-def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None):
-    out = kernels.fused_moe(x, w13, w2, weights, ids, config)
+def _fp8_experts(w13, w2, scheme):
+    """The experts quantized as online FP8 quantization does: (w13, w2, w13_scale, w2_scale); block scales
+    of gate and up separately ([E, 2 x row blocks, column blocks])."""
+    inter, quantization = w13.shape[1] // 2, WeightQuantization(scheme)
+    (gate, gate_scale), (up, up_scale), (down, down_scale) = (
+        oracle._quantize_experts(w, quantization) for w in (w13[:, :inter], w13[:, inter:], w2))
+    return torch.cat([gate, up], 1), down, torch.cat([gate_scale, up_scale], 1), down_scale
+
+
+def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None, w13_scale=None, w2_scale=None):
+    out = kernels.fused_moe(x, w13, w2, weights, ids, config, w13_scale=w13_scale, w2_scale=w2_scale)
     if x.is_cuda:           # cuBLAS may otherwise sum split-K partials in bf16
         matmul = torch.backends.cuda.matmul
         reduced, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, False
     try:
-        ref = oracle.fused_moe(x, w13, w2, weights, ids.long())
+        ref = oracle.fused_moe(x, w13, w2, weights, ids.long(), w13_scale, w2_scale)
     finally:
         if x.is_cuda:
             matmul.allow_bf16_reduced_precision_reduction = reduced
@@ -162,6 +173,21 @@ def test_fused_moe_uneven_loads(dtype):
     _moe_vs_oracle(x, w13, w2, weights, skewed, SMALL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp8_experts_match_the_oracle(dtype, scheme):
+    """e4m3 experts: I = 192 (gate's last scale block half full, up's blocks starting after it), H = 256
+    (two K steps of 128), 7 tokens on top-2 of 4; the default tiles and 32-column ones."""
+    w13, w2 = _weights(4, 256, 192, dtype)
+    q13, q2, s13, s2 = _fp8_experts(w13, w2, scheme)
+    assert q13.dtype == torch.float8_e4m3fn and s13.shape == ((4, 4, 2) if scheme == "block" else (4, 384))
+    x, weights, ids = _inputs(7, 256, 4, 2, dtype)
+    for config in (None, MoeConfig(16, Tile(32, 128, 4, 2), Tile(32, 128, 4, 2))):
+        out = _moe_vs_oracle(x, q13, q2, weights, ids, config, w13_scale=s13, w2_scale=s2)
+    # and the quantization shows: not the unquantized experts' output
+    assert not torch.allclose(out.float(), oracle.fused_moe(x, w13, w2, weights, ids).float(), atol=1e-3)
+
+
 def test_fused_moe_no_tokens():
     w13, w2 = _weights(4, 32, 16, torch.float32)
     out = kernels.fused_moe(torch.empty(0, 32, device=DEVICE), w13, w2, torch.empty(0, 2, device=DEVICE),
@@ -192,6 +218,18 @@ def qwen_weights():
     if not CUDA:
         pytest.skip("needs CUDA")
     return _weights(QWEN["num_experts"], QWEN["hidden"], QWEN["inter"], torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def qwen_experts(qwen_weights):
+    """The experts in bf16 ("none", no scales) and quantized to FP8 per row and per 128x128 block."""
+    return {"none": (*qwen_weights, None, None),
+            **{scheme: _fp8_experts(*qwen_weights, scheme) for scheme in ("channel", "block")}}
+
+
+# Hopper's FP8 dot keeps ~14 significant bits over a K step's 128 products (the oracle: float32); a
+# bf16-rounded gate or up that lands on the other side of a rounding boundary carries into the down GEMM
+FP8_GPU_ULPS = 8
 
 
 @needs_cuda
@@ -237,15 +275,36 @@ def test_gpu_float32(qwen_weights):
 
 
 @needs_cuda
-def test_gpu_cuda_graph_replay(qwen_weights):
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 4096])
+def test_gpu_fp8_qwen_shape(qwen_experts, scheme, num_tokens):
+    w13, w2, s13, s2 = qwen_experts[scheme]
+    x, weights, ids = _inputs(num_tokens, QWEN["hidden"], QWEN["num_experts"], QWEN["top_k"], torch.bfloat16)
+    out = _moe_vs_oracle(x, w13, w2, weights, ids, ulps=FP8_GPU_ULPS, w13_scale=s13, w2_scale=s2)
+    assert torch.equal(kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2), out)
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_gpu_fp8_mixtral_shape(num_tokens):
+    w13, w2, s13, s2 = _fp8_experts(*_weights(MIXTRAL["num_experts"], MIXTRAL["hidden"], MIXTRAL["inter"],
+                                              torch.bfloat16), "block")
+    x, weights, ids = _inputs(num_tokens, MIXTRAL["hidden"], MIXTRAL["num_experts"], MIXTRAL["top_k"],
+                              torch.bfloat16)
+    _moe_vs_oracle(x, w13, w2, weights, ids, ulps=FP8_GPU_ULPS, w13_scale=s13, w2_scale=s2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["none", "channel", "block"])
+def test_gpu_cuda_graph_replay(qwen_experts, scheme):
     """Captured once, replayed on new logits and hidden states: the same bits as eager."""
-    w13, w2 = qwen_weights
+    w13, w2, s13, s2 = qwen_experts[scheme]
     x = torch.randn(64, QWEN["hidden"], device="cuda").bfloat16()
     logits = torch.randn(64, QWEN["num_experts"], device="cuda")
 
     def step():
         weights, ids = kernels.route(logits, QWEN["top_k"], True)
-        return kernels.fused_moe(x, w13, w2, weights, ids)
+        return kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
     step()                                                                      # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -259,15 +318,16 @@ def test_gpu_cuda_graph_replay(qwen_weights):
 
 
 @needs_cuda
-def test_gpu_no_compilation_past_warm_up(qwen_weights):
+@pytest.mark.parametrize("scheme", ["none", "channel", "block"])
+def test_gpu_no_compilation_past_warm_up(qwen_experts, scheme):
     """After one call at each of config_token_counts(), no token count compiles another kernel variant."""
     import triton
-    w13, w2 = qwen_weights
+    w13, w2, s13, s2 = qwen_experts[scheme]
 
     def step(num_tokens):
         x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
         weights, ids = kernels.route(torch.randn(num_tokens, QWEN["num_experts"], device="cuda"), 8, True)
-        kernels.fused_moe(x, w13, w2, weights, ids)
+        kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
     for t in config_token_counts(8, QWEN["num_experts"]):
         step(t)
     compiled = []
