@@ -294,12 +294,14 @@ def model_parameters(model_dir: str | Path, hf_config) -> int:
 
 
 def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload,
-                   bandwidth: float, flops: float, kv_itemsize: int | None = None, fp8_params: int = 0) -> dict:
+                   bandwidth: float, flops: float, kv_itemsize: int | None = None, fp8_params: int = 0,
+                   fp8_experts: bool = False) -> dict:
     """Seconds the run needs at best: decode bytes over bandwidth plus prefill FLOPs over peak FLOP/s.
     Ideally every request runs at once, so the weights are read once per step of the longest output
     (a mixture-of-experts model's dense weights; of its experts only those the step's tokens pick).
     `itemsize`: the weights' bytes per value; `kv_itemsize` the KV cache's (default: the same);
-    `fp8_params`: of num_params, those stored in FP8 (one byte each; their prefill FLOPs at twice the peak)."""
+    `fp8_params`: of num_params, those stored in FP8 (one byte each; their prefill FLOPs at twice the peak);
+    `fp8_experts`: a mixture-of-experts model's experts are too."""
     hf = hf_config
     head_dim_ = head_dim(hf)
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim_ * (kv_itemsize or itemsize)
@@ -321,11 +323,12 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
         for end in sorted(set(ends)):         # steps start..end-1 all run the same requests
             touched += (end - start) * experts.expected_touched(len(ends) - bisect_right(ends, start))
             start = end
-        expert_bytes = len(experts.sparse_layers) * experts.params_per_expert * touched * itemsize
+        expert_itemsize = 1 if fp8_experts else itemsize
+        expert_bytes = len(experts.sparse_layers) * experts.params_per_expert * touched * expert_itemsize
         weight_bytes = ((num_params - experts.params) * itemsize - fp8_saved) * steps + expert_bytes
         active_params = num_params - experts.params + experts.active_params      # per token
         moe = dict(expert_read_bytes=expert_bytes, num_params=num_params, active_params=active_params,
-                   experts_touched_fraction=expert_bytes / (experts.params * itemsize * steps))
+                   experts_touched_fraction=expert_bytes / (experts.params * expert_itemsize * steps))
     embedding = hf.vocab_size * hf.hidden_size     # a lookup, not a matmul; the head runs for last tokens only
     body = active_params - embedding * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
     attention = 2 * hf.num_hidden_layers * hf.num_attention_heads * head_dim_   # QK^T + PV, causal, per p(p+1)
@@ -333,9 +336,10 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
     prefill_flops = sum(2 * body * (p - c) + 2 * embedding + attention * (p * (p + 1) - c * (c + 1))
                         for (p, _), c in zip(lengths, shared))
     fp8 = {}
-    if fp8_params:       # FP8 tensor cores: twice the FLOP/s, so those FLOPs count half
-        fp8 = dict(fp8_params=fp8_params,
-                   fp8_prefill_flops=sum(2 * fp8_params * (p - c) for (p, _), c in zip(lengths, shared)))
+    fp8_active = fp8_params + (experts.active_params if fp8_experts and experts else 0)    # per token
+    if fp8_active:       # FP8 tensor cores: twice the FLOP/s, so those FLOPs count half
+        fp8 = dict(fp8_params=fp8_params, fp8_experts=bool(fp8_experts and experts),
+                   fp8_prefill_flops=sum(2 * fp8_active * (p - c) for (p, _), c in zip(lengths, shared)))
     floor_s = (kv_bytes + weight_bytes) / bandwidth + (prefill_flops - fp8.get("fp8_prefill_flops", 0) / 2) / flops
     return dict(kv_read_bytes=kv_bytes, weight_read_bytes=weight_bytes, prefill_flops=prefill_flops,
                 bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s, **moe, **fp8)
@@ -478,8 +482,9 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
     else:
         print("Prefill/decode split, preemptions, KV blocks: not reported by transformers")
     if "fp8_params" in floor:
-        print(f"Weights: FP8 for {floor['fp8_params'] / 1e9:.3g}B projection parameters (one byte each; their prefill "
-              f"FLOPs at twice the peak), {str(result['dtype']).removeprefix('torch.')} for the rest")
+        experts = " and the experts" if floor["fp8_experts"] else ""
+        print(f"Weights: FP8 for {floor['fp8_params'] / 1e9:.3g}B projection parameters{experts} (one byte each; their "
+              f"prefill FLOPs at twice the peak), {str(result['dtype']).removeprefix('torch.')} for the rest")
     fraction = floor["floor_s"] / elapsed
     print(f"Hardware floor: {floor['floor_s']:.3g}s = {tokens / floor['floor_s']:.0f}tok/s (KV reads {floor['kv_read_bytes'] / 1e12:.3g} TB + weight "
           f"reads {floor['weight_read_bytes'] / 1e12:.3g} TB at {floor['bandwidth_gbps']:.0f} GB/s, prefill "
@@ -603,7 +608,8 @@ def floor_for(result: dict, model: Path, workload: Workload, bandwidth: float, f
     num_params = model_parameters(model, hf_config)
     fp8_params = linear_parameters(hf_config) if result["quantization"] == "fp8" else 0
     return hardware_floor(hf_config, num_params, result["dtype"].itemsize, workload, bandwidth * result["num_devices"],
-                          flops * result["num_devices"], result["kv_cache_dtype"].itemsize, fp8_params)
+                          flops * result["num_devices"], result["kv_cache_dtype"].itemsize, fp8_params,
+                          fp8_experts=result["quantization"] == "fp8")
 
 
 def run_workloads(args: argparse.Namespace, model: Path, bandwidth: float, flops: float) -> list[dict]:

@@ -118,6 +118,25 @@ def test_fp8_weights_read_one_byte_per_projection_weight_and_prefill_at_twice_th
     assert "fp8_params" not in bf16 and bench.linear_parameters(AutoConfig.for_model("qwen3", **QWEN3_8B)) > 6e9
 
 
+def test_fp8_experts_read_one_byte_per_expert_weight_they_touch():
+    """Qwen3-30B-A3B with FP8 weights: its touched experts' bytes halve, and their FLOPs with the projections'
+    count at twice the peak; the dense part's saving is the projections' as for a dense model."""
+    config = AutoConfig.for_model("qwen3_moe", **QWEN3_30B_A3B)
+    num_params, fp8_params = bench.config_parameters(config), bench.linear_parameters(config)
+    workload = bench.make_workload(64, 256, 128, seed=0)
+    floors = {fp8: bench.hardware_floor(config, num_params, 2, workload, bandwidth=3.0e12, flops=800e12,
+                                        fp8_params=fp8_params if fp8 else 0, fp8_experts=fp8) for fp8 in (False, True)}
+    bf16, fp8 = floors[False], floors[True]
+    steps = max(workload.max_tokens)
+    assert fp8["expert_read_bytes"] * 2 == pytest.approx(bf16["expert_read_bytes"])
+    assert bf16["weight_read_bytes"] - fp8["weight_read_bytes"] == pytest.approx(
+        fp8_params * steps + fp8["expert_read_bytes"])
+    assert fp8["experts_touched_fraction"] == pytest.approx(bf16["experts_touched_fraction"])
+    experts = bench.moe_experts(config)
+    assert fp8["fp8_experts"] and fp8["fp8_prefill_flops"] == 2 * (fp8_params + experts.active_params) * sum(
+        map(len, workload.prompts))
+
+
 def test_fp8_weights_reach_the_engine_and_the_floor(checkpoint, capsys):
     argv = ["--model", str(checkpoint), *TINY_RUN, "--bandwidth", "1000", "--peak-tflops", "10"]
     plain = run_bench(capsys, argv)

@@ -1,8 +1,8 @@
 """FP8 weights on the GPU, against the same engine in bf16: teacher-forced next-token distributions on the
 Qwen3-0.6B shape, through the Triton/cuBLASLt GEMMs and CUDA graphs, with the fp8 KV cache too; per-channel
 (quantization="fp8" on a bf16 checkpoint) and 128x128 blocks (a block-FP8 config.json, dummy weights drawn
-exactly as the bf16 run's, then quantized); and no Triton compilation after start-up. Run with -s for the
-figures docs/benchmarks.md records."""
+exactly as the bf16 run's, then quantized); FP8 experts on Qwen3-30B-A3B's layer shape; and no Triton
+compilation after start-up. Run with -s for the figures docs/benchmarks.md records."""
 import json
 import shutil
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B
+from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_30B_A3B
 from teacher_forcing import compare, forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,3 +133,52 @@ def test_block_fp8_weights_track_bf16(tmp_path, monkeypatch):
             check_kernels_against_the_torch_path("block FP8", fp8, forced_logprobs(llm, prompts, continuations))
     stats = report("block FP8 weights (dummy)", fp8, bf16)
     assert stats["agreement"] >= MIN_AGREEMENT and stats["kl"] <= MAX_MEAN_KL and stats["decided"] > 0.05
+
+
+def moe_torch_path(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+    """layers/fused_moe.py's torch experts (each an FP8 linear layer's arithmetic), run on the GPU."""
+    from nanovllm.layers.fused_moe import fused_moe
+    return fused_moe(x, w13, w2, topk_weights, topk_ids.long(), w13_scale, w2_scale)
+
+
+def with_config(source, target, quantization_config):
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_fp8_experts_track_bf16(tmp_path, monkeypatch):
+    """Qwen3-30B-A3B's layer shape (4 of its 48 layers), dummy weights: bf16, online FP8 (per row) and a
+    block-FP8 config.json (Qwen3-30B-A3B-FP8's layout: routers and LM head unquantized); the grouped FP8 GEMMs
+    against the torch experts run on the GPU; CUDA graphs; nothing compiled after start-up."""
+    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    shape = dict(QWEN3_30B_A3B, num_hidden_layers=4)
+    plain = write_random_checkpoint(tmp_path / "plain", architecture="Qwen3MoeForCausalLM", dtype=torch.bfloat16,
+                                    weights=False, **shape)
+    block = with_config(plain, tmp_path / "block", dict(BLOCK_FP8, modules_to_not_convert=[
+        "lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(4))]))
+    prompts, continuations = positions()
+    logprobs = {}
+    with LLM(str(plain), load_format="dummy", **ENGINE) as llm:
+        logprobs["bf16"] = forced_logprobs(llm, prompts, continuations)
+    for what, model_dir, kwargs in (("online", plain, dict(quantization="fp8")), ("block", block, {})):
+        with LLM(str(model_dir), load_format="dummy", **ENGINE, **kwargs) as llm:
+            experts = llm.model_runner.model.model.layers[0].mlp.experts
+            assert experts.w13_weight.dtype == torch.float8_e4m3fn
+            assert llm.model_runner.model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+            logprobs[what] = forced_logprobs(llm, prompts, continuations)
+            logprobs[f"{what} eager"] = forced_logprobs(llm, prompts, continuations, use_graphs=False)
+            exercise_without_compiling(llm)
+        with monkeypatch.context() as patch:
+            patch.setattr("nanovllm.layers.linear.fp8_linear", torch_path)
+            patch.setattr("nanovllm.kernels.fused_moe.fused_moe", moe_torch_path)
+            with LLM(str(model_dir), load_format="dummy", enforce_eager=True, **ENGINE, **kwargs) as llm:
+                oracle = forced_logprobs(llm, prompts, continuations, use_graphs=False)
+        check_kernels_against_the_torch_path(f"{what} FP8 experts", logprobs[f"{what} eager"], oracle)
+        stats = report(f"{what} FP8 experts", logprobs[what], logprobs["bf16"])
+        assert stats["agreement"] >= MIN_AGREEMENT and stats["kl"] <= MAX_MEAN_KL and stats["decided"] > 0.05
+        graphs = compare(logprobs[what], logprobs[f"{what} eager"], MARGIN)
+        print(f"{what} FP8 experts, CUDA graphs vs eager: mean KL {graphs['kl']:.1e}")
+        assert graphs["kl"] < 1e-3
