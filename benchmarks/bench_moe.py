@@ -42,6 +42,20 @@ SWEEP = [MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
          MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 4), splits=16),
          MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), splits=16)]
 
+# FP8 experts: K steps of 128 (one scale block), two float32 accumulators (gate, up) plus a block-scaled
+# step's product in registers
+SWEEP_FP8 = [MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+             MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
+             MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3)),
+             MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 4, 4), splits=4),
+             MoeConfig(64, Tile(64, 128, 4, 4), Tile(128, 128, 4, 4), splits=4),
+             MoeConfig(128, Tile(128, 128, 8, 4), Tile(256, 128, 8, 3), splits=16),
+             MoeConfig(128, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3), splits=16),
+             MoeConfig(128, Tile(64, 128, 8, 4), Tile(128, 128, 8, 4), splits=16),
+             MoeConfig(128, Tile(64, 128, 4, 4), Tile(128, 128, 4, 4), splits=16),
+             MoeConfig(128, Tile(64, 128, 4, 3), Tile(256, 128, 8, 3), splits=16),
+             MoeConfig(128, Tile(128, 64, 8, 4), Tile(256, 64, 8, 3), splits=16)]
+
 
 def make_calls(shape, num_tokens, sets, config=None):
     """`sets` calls of route + fused_moe, each on its own hidden states and router logits; and the
@@ -89,7 +103,7 @@ def measure(shape, num_tokens, config=None, graph=None):
 
 def sweep(shape, counts):
     for num_tokens in counts:
-        for config in SWEEP:
+        for config in SWEEP_FP8 if shape["scales"] else SWEEP:
             try:
                 graph_us, eager_us, _ = measure(shape, num_tokens, config)
                 print(f"  sweep T={num_tokens} {config}: {graph_us or eager_us:9.1f} us", flush=True)

@@ -255,14 +255,16 @@ def _block_rows(sorted_ptr, block_expert_ptr, num_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fp8_part(a, b, a_scale_ptrs, b_scale_ptrs, k, SCALES: tl.constexpr):
-    """One K step's FP8 product in float32: its own tensor-core dot (never more than BLOCK_K <= 128
-    products in Hopper's narrow FP8 accumulator), times the step's activation-group and weight-block scales
-    if block-scaled (per-channel scales are applied once, after the K loop)."""
-    part = tl.dot(a, b)
+def _fp8_dot(a, b, acc, a_scale_ptrs, b_scale_ptrs, k, SCALES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus one K step's FP8 product, never more than BLOCK_K <= 128 products in Hopper's narrow FP8
+    accumulator before they join the float32 one: block-scaled, the step's own dot times its activation-group
+    and weight-block scales; per row, promoted every BLOCK_K products (the scales come after the K loop)."""
     if SCALES == "block":
-        part = part * tl.load(a_scale_ptrs + k // 128)[:, None] * tl.load(b_scale_ptrs + k // 128)[None, :]
-    return part
+        a_scale = tl.load(a_scale_ptrs + k // 128)
+        b_scale = tl.load(b_scale_ptrs + k // 128)
+        return acc + tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    else:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
 
 
 @triton.jit
@@ -308,8 +310,8 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, 
             acc_gate = _dot(a, gate, acc_gate, PRECISION)
             acc_up = _dot(a, up, acc_up, PRECISION)
         else:
-            acc_gate += _fp8_part(a, gate, a_scale_ptrs, gate_scale_ptrs, k, SCALES)
-            acc_up += _fp8_part(a, up, a_scale_ptrs, gate_scale_ptrs + up_scale_offset, k, SCALES)
+            acc_gate = _fp8_dot(a, gate, acc_gate, a_scale_ptrs, gate_scale_ptrs, k, SCALES, BLOCK_K)
+            acc_up = _fp8_dot(a, up, acc_up, a_scale_ptrs, gate_scale_ptrs + up_scale_offset, k, SCALES, BLOCK_K)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
     if SCALES == "channel":
@@ -359,7 +361,7 @@ def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out
         if SCALES == "none":
             acc = _dot(a, b, acc, PRECISION)
         else:
-            acc += _fp8_part(a, b, a_scale_ptrs, b_scale_ptrs, k, SCALES)
+            acc = _fp8_dot(a, b, acc, a_scale_ptrs, b_scale_ptrs, k, SCALES, BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if SCALES == "channel":

@@ -46,6 +46,7 @@ def _check(out, ref, ulps):
     out, ref = out.float(), ref.float()
     bound = ulps * ulp * (ref.abs() + ref.abs().mean())
     worst = ((out - ref).abs() / bound).max().item()
+    print(f"worst {worst * ulps:.2f} ulps (bound {ulps}), normwise {((out - ref).norm() / ref.norm()).item():.2e}")
     assert worst <= 1, f"off by {worst:.2f} x the bound ({ulps} ulps)"
 
 
@@ -229,7 +230,7 @@ def qwen_experts(qwen_weights):
 
 # Hopper's FP8 dot keeps ~14 significant bits over a K step's 128 products (the oracle: float32); a
 # bf16-rounded gate or up that lands on the other side of a rounding boundary carries into the down GEMM
-FP8_GPU_ULPS = 8
+FP8_GPU_ULPS = 16
 
 
 @needs_cuda
