@@ -74,6 +74,19 @@ CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
 )
 
 
+# FP8 experts: the same row thresholds (so the same warm-up token counts), K steps of 128 (one scale block).
+# H100 sweep at Qwen3-30B-A3B's shape (benchmarks/bench_moe.py --fp8 channel|block --sweep): decode as bf16's;
+# prefill takes 64-row blocks, since 128-row ones hold two 128x128 float32 accumulators plus a block-scaled
+# step's products and spill (block scales at 16,384 tokens: 6.4-6.7 ms against 3.0 with 64 rows).
+FP8_CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
+    (0, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4), splits=0)),
+    (4, MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (16, MoeConfig(32, Tile(64, 128, 4, 4), Tile(128, 128, 4, 3))),
+    (64, MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 4, 4), splits=4)),
+    (256, MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 4, 4), splits=16)),
+)
+
+
 def config_token_counts(top_k: int, num_experts: int) -> tuple[int, ...]:
     """One token count per config that fused_moe can pick for this k and E (the warm-up runs each once)."""
     return tuple(max(1, -(-rows * num_experts // top_k)) for rows, _ in CONFIGS)
@@ -81,9 +94,7 @@ def config_token_counts(top_k: int, num_experts: int) -> tuple[int, ...]:
 
 def choose_config(num_tokens: int, dtype: torch.dtype, top_k: int, num_experts: int, fp8: bool = False) -> MoeConfig:
     rows_per_expert = num_tokens * top_k // num_experts
-    config = [c for rows, c in CONFIGS if rows_per_expert >= rows][-1]
-    if fp8:     # 1-byte operands: K steps of 128 (one scale block each) load the bytes a 16-bit step of 64 does
-        config = replace(config, gate_up=replace(config.gate_up, block_k=128), down=replace(config.down, block_k=128))
+    config = [c for rows, c in (FP8_CONFIGS if fp8 else CONFIGS) if rows_per_expert >= rows][-1]
     if dtype == torch.float32:      # IEEE dots and 4-byte tiles: smaller ones fit in shared memory
         small = Tile(min(config.gate_up.block_n, 64), 32, 4, 2)
         config = replace(config, gate_up=small, down=small)

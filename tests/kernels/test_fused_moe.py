@@ -35,7 +35,7 @@ def _inputs(num_tokens, hidden, num_experts, top_k, dtype, device=DEVICE, seed=1
     return x, weights, ids
 
 
-def _check(out, ref, ulps):
+def _check(out, ref, ulps, max_normwise=1.0):
     """|out - ref| within `ulps` units in the last place of |ref| plus of the output's mean magnitude (the
     k-sum cancels: an element near zero carries its terms' rounding). On CPU, bf16 results are mostly the
     oracle's bits: a rounding left out or added would change about half of them by an ulp or two."""
@@ -46,8 +46,10 @@ def _check(out, ref, ulps):
     out, ref = out.float(), ref.float()
     bound = ulps * ulp * (ref.abs() + ref.abs().mean())
     worst = ((out - ref).abs() / bound).max().item()
-    print(f"worst {worst * ulps:.2f} ulps (bound {ulps}), normwise {((out - ref).norm() / ref.norm()).item():.2e}")
+    normwise = ((out - ref).norm() / ref.norm()).item()
+    print(f"worst {worst * ulps:.2f} ulps (bound {ulps}), normwise {normwise:.2e}")
     assert worst <= 1, f"off by {worst:.2f} x the bound ({ulps} ulps)"
+    assert normwise <= max_normwise, f"normwise {normwise:.2e} > {max_normwise:.1e}"
 
 
 def _fp8_experts(w13, w2, scheme):
@@ -69,7 +71,8 @@ def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None, w13_scale=N
     finally:
         if x.is_cuda:
             matmul.allow_bf16_reduced_precision_reduction = reduced
-    _check(out, ref, ulps or (64 if x.dtype == torch.float32 else 2))
+    _check(out, ref, ulps or (64 if x.dtype == torch.float32 else 2),
+           FP8_GPU_NORMWISE if x.is_cuda and w13_scale is not None else 1.0)
     return out
 
 
@@ -207,6 +210,10 @@ def test_configs_by_rows_per_expert(top_k, num_experts):
     block_m = [choose_config(t, torch.bfloat16, top_k, num_experts).block_m for t in range(1, 20000, 7)]
     assert block_m == sorted(block_m)
     assert choose_config(256, torch.bfloat16, 8, 128).block_m < choose_config(256, torch.bfloat16, 2, 8).block_m
+    # FP8 experts switch tiles at the same token counts (the warm-up compiles theirs too), K steps of 128
+    fp8 = [choose_config(t, torch.bfloat16, top_k, num_experts, fp8=True) for t in range(1, 20000, 7)]
+    assert len(set(fp8)) == len(counts) and all(c.gate_up.block_k == c.down.block_k == 128 for c in fp8)
+    assert [c.block_m for c in fp8] == sorted(c.block_m for c in fp8)
 
 
 # ---- on a GPU -------------------------------------------------------------------------------------------
@@ -228,9 +235,11 @@ def qwen_experts(qwen_weights):
             **{scheme: _fp8_experts(*qwen_weights, scheme) for scheme in ("channel", "block")}}
 
 
-# Hopper's FP8 dot keeps ~14 significant bits over a K step's 128 products (the oracle: float32); a
-# bf16-rounded gate or up that lands on the other side of a rounding boundary carries into the down GEMM
-FP8_GPU_ULPS = 16
+# Hopper's FP8 wgmma (the 64- and 128-row tiles) keeps ~14 significant bits over a K step's 128 products
+# (the oracle: float32): relative to a random sum's size that is ~2^-13 sqrt(K) (5.5e-3 at K = 2048). Measured
+# on an H100: normwise 5.7e-3 at 4,096 tokens (Qwen3-30B-A3B) and 300 (Mixtral), 3e-4 or less on the 16- and
+# 32-row tiles; worst element 13.9 ulps. A misapplied scale or block is off by tens of percent.
+FP8_GPU_ULPS, FP8_GPU_NORMWISE = 32, 1.5e-2
 
 
 @needs_cuda
