@@ -13,6 +13,10 @@ Sampling: one decode step's draw at batch 256 x vocab 151936 (bf16 logits, tempe
 Triton kernel against the same Gumbel-max in torch, eager and under torch.compile.
 
 --sweep also times a few tile configurations and split counts (printed before the table).
+
+--goals times issue #27's prefill shapes instead: paged 16 x 1,024 new tokens continuing 1,024 cached ones
+and 8 x 2,000 fresh, packed 1 x 12,000; the packed one also through torch's SDPA with the cuDNN and the
+flash backends (causal FLOPs counted once: 4 * D * heads * (query, key) pairs).
 """
 import argparse
 import inspect
@@ -171,6 +175,64 @@ def bench_prefill(sweep):
     return tflops(t_ours), tflops(t_paged), tflops(t_paged_fp8), tflops(t_torch), torch_desc, t_ours, t_torch
 
 
+def causal_pairs(num_new: int, num_cached: int) -> int:
+    """(query, key) pairs of one sequence's num_new queries after num_cached keys, causal."""
+    return num_new * num_cached + num_new * (num_new + 1) // 2
+
+
+def paged_prefill(num_seqs: int, num_new: int, num_cached: int):
+    """(fn, pairs): our paged prefill of num_new tokens per sequence over num_cached cached ones."""
+    seq_k = num_cached + num_new
+    pages_per_seq = triton.cdiv(seq_k, BLOCK_SIZE)
+    q = torch.randn(num_seqs * num_new, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(num_seqs * pages_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_seqs * pages_per_seq, device="cuda").to(torch.int32).view(num_seqs, -1)
+    cu_q = torch.arange(0, num_seqs * num_new + 1, num_new, device="cuda", dtype=torch.int32)
+    cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device="cuda", dtype=torch.int32)
+    fn = lambda: flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, num_new, seq_k, causal=True,
+                                        block_table=table)
+    return fn, num_seqs * causal_pairs(num_new, num_cached)
+
+
+def sdpa_fn(q, k, v, backend):
+    """torch's SDPA on one packed sequence ([T, H, D] -> [1, H, T, D]), GQA, through one backend."""
+    from torch.nn.attention import sdpa_kernel
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+
+    def fn():
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    return fn
+
+
+def bench_prefill_goals() -> list[tuple[str, float]]:
+    """(what, TFLOP/s) for issue #27's prefill shapes."""
+    from torch.nn.attention import SDPBackend
+    rows = []
+    for what, (num_seqs, num_new, num_cached) in (("paged 16 x 1,024 after 1,024 cached", (16, 1024, 1024)),
+                                                  ("paged 8 x 2,000", (8, 2000, 0))):
+        fn, pairs = paged_prefill(num_seqs, num_new, num_cached)
+        rows.append((f"Triton, {what}", 4 * HEAD_DIM * HEADS * pairs / (ms(fn) * 1e-3) / 1e12))
+    total = 12000
+    q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, total], device="cuda", dtype=torch.int32)
+    flops = 4 * HEAD_DIM * HEADS * causal_pairs(total, 0)
+    ours = lambda: flash_attn_varlen_func(q, k, v, cu, cu, total, total, causal=True)
+    rows.append(("Triton, packed 1 x 12,000", flops / (ms(ours) * 1e-3) / 1e12))
+    for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash (torch's FA2)", SDPBackend.FLASH_ATTENTION)):
+        try:
+            fn = sdpa_fn(q, k, v, backend)
+            diff = (fn()[0].transpose(0, 1).float() - ours().float()).abs().max().item()
+            rows.append((f"SDPA {name}, packed 1 x 12,000 (max |diff| vs ours {diff:.1e})",
+                         flops / (ms(fn) * 1e-3) / 1e12))
+        except Exception as e:                          # noqa: BLE001 - report and go on
+            rows.append((f"SDPA {name}: {type(e).__name__}: {str(e)[:100]}", float("nan")))
+    return rows
+
+
 def torch_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """The same Gumbel-max draw in torch ops, one batch at a time."""
     u = torch.rand(logits.shape, device=logits.device).clamp_min(1e-20)
@@ -189,10 +251,17 @@ def bench_sampling() -> list[tuple[str, float]]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--goals", action="store_true", help="issue #27's prefill shapes, with cuDNN's SDPA")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     torch.manual_seed(0)
+    if args.goals:
+        print("| prefill, 16q/8kv heads, D=128, bf16, causal | TFLOP/s |")
+        print("|---|---|")
+        for what, tflops in bench_prefill_goals():
+            print(f"| {what} | {tflops:.1f} |")
+        return
     copy_bw = measure_bandwidth(torch.device("cuda"))
     decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in (DTYPE, torch.float8_e4m3fn)
               for b, c in [(256, 1024), (8, 8192)]]
