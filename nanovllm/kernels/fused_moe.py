@@ -266,6 +266,17 @@ def _block_rows(sorted_ptr, block_expert_ptr, num_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _weight_scale_ptrs(w_scale_ptr, expert, rows, stride_se, stride_sn, SCALES: tl.constexpr):
+    """Where the expert's weight rows `rows` find their scales: one each ([E, N]), or their 128-row block's
+    row of per-K-block scales ([E, N/128, K/128]; the K block is added per step)."""
+    ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se
+    if SCALES == "block":
+        return ptrs + (rows // 128) * stride_sn
+    else:
+        return ptrs + rows
+
+
+@triton.jit
 def _fp8_dot(a, b, acc, a_scale_ptrs, b_scale_ptrs, k, SCALES: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc plus one K step's FP8 product, never more than BLOCK_K <= 128 products in Hopper's narrow FP8
     accumulator before they join the float32 one: block-scaled, the step's own dot times its activation-group
@@ -300,11 +311,7 @@ def _gate_up_kernel(hidden_ptr, w13_ptr, sorted_ptr, block_expert_ptr, act_ptr, 
                  + offs_k[:, None])
     up_offset = inter_size * stride_wn
     a_scale_ptrs = a_scale_ptr + tokens * stride_a_scale
-    gate_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se
-    if SCALES == "block":
-        gate_scale_ptrs += ((cols % inter_size) // 128) * stride_sn
-    else:
-        gate_scale_ptrs += cols % inter_size
+    gate_scale_ptrs = _weight_scale_ptrs(w_scale_ptr, expert, cols % inter_size, stride_se, stride_sn, SCALES)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, hidden_size, BLOCK_K):
@@ -355,11 +362,7 @@ def _down_kernel(act_ptr, w2_ptr, sorted_ptr, block_expert_ptr, weights_ptr, out
     b_ptrs = (w2_ptr + expert.to(tl.int64) * stride_we + (cols % hidden_size)[None, :] * stride_wn
               + offs_k[:, None])
     a_scale_ptrs = a_scale_ptr + rows * stride_a_scale
-    b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se
-    if SCALES == "block":
-        b_scale_ptrs += ((cols % hidden_size) // 128) * stride_sn
-    else:
-        b_scale_ptrs += cols % hidden_size
+    b_scale_ptrs = _weight_scale_ptrs(w_scale_ptr, expert, cols % hidden_size, stride_se, stride_sn, SCALES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, inter_size, BLOCK_K):
         if EVEN_K:
