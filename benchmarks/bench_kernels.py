@@ -60,21 +60,24 @@ def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
     if sweep:
-        configs = [(None, bn, w, st) for bn, w, st in
-                   [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 2),
-                    (256, 8, 3)]]
-        configs += [(s, None, None, None) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 256 <= ctx]
+        # (splits, block_n, warps, stages, use_tma, fp16_dots); None: the default
+        configs = [(None, bn, w, st, tma, None) for tma in (False, True) for bn, w, st in
+                   [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3),
+                    (256, 4, 2), (256, 4, 3), (256, 8, 2), (256, 8, 3)]]
+        configs += [(s, None, None, None, tma, None) for tma in (False, True)
+                    for s in (1, 2, 4, 8, 16, 32, 64) if s != splits and s * 128 <= ctx]
         if k.dtype == torch.float8_e4m3fn:     # dots in bf16 instead of the default float16
-            configs += [(None, bn, 4, st, False) for bn, st in [(128, 2), (128, 3)]]
-        for s, bn, w, st, *fp16 in configs:
+            configs += [(None, 128, 4, st, True, False) for st in (2, 3)]
+        for s, bn, w, st, tma, fp16 in configs:
             fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w,
-                                          num_stages=st, fp16_dots=fp16[0] if fp16 else None)
+                                          num_stages=st, fp16_dots=fp16, use_tma=tma)
             try:
                 t = ms(fn, graph=True)
                 print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx={ctx} splits={s or splits} block_n={bn} warps={w} "
-                      f"stages={st}{' bf16 dots' if fp16 else ''}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s", flush=True)
+                      f"stages={st} tma={tma}{' bf16 dots' if fp16 is False else ''}: {t * 1e3:8.1f} us  "
+                      f"{kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s", flush=True)
             except Exception as e:                       # noqa: BLE001 - report and go on
-                print(f"  sweep decode {s, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
+                print(f"  sweep decode {s, bn, w, st, tma} failed: {type(e).__name__}: {str(e)[:120]}")
     fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
     t_graph = ms(fn, graph=True)
     t_eager = ms(fn)
@@ -180,8 +183,9 @@ def causal_pairs(num_new: int, num_cached: int) -> int:
     return num_new * num_cached + num_new * (num_new + 1) // 2
 
 
-def paged_prefill(num_seqs: int, num_new: int, num_cached: int):
-    """(fn, pairs): our paged prefill of num_new tokens per sequence over num_cached cached ones."""
+def paged_prefill(num_seqs: int, num_new: int, num_cached: int, **tiles):
+    """(fn, pairs): our paged prefill of num_new tokens per sequence over num_cached cached ones
+    (tiles: prefill_attention's block_m, block_n, num_warps, num_stages, use_tma)."""
     seq_k = num_cached + num_new
     pages_per_seq = triton.cdiv(seq_k, BLOCK_SIZE)
     q = torch.randn(num_seqs * num_new, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -190,9 +194,15 @@ def paged_prefill(num_seqs: int, num_new: int, num_cached: int):
     table = torch.randperm(num_seqs * pages_per_seq, device="cuda").to(torch.int32).view(num_seqs, -1)
     cu_q = torch.arange(0, num_seqs * num_new + 1, num_new, device="cuda", dtype=torch.int32)
     cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device="cuda", dtype=torch.int32)
-    fn = lambda: flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, num_new, seq_k, causal=True,
-                                        block_table=table)
+    fn = lambda: prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table,
+                                   max_seqlen_q=num_new, **tiles)
     return fn, num_seqs * causal_pairs(num_new, num_cached)
+
+
+# (block_m, block_n, num_warps, num_stages, use_tma) tried by --goals --sweep
+PREFILL_SWEEP = [(128, 128, 8, 3, False), (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 8, 3, True),
+                 (128, 64, 8, 4, True), (128, 64, 8, 5, True), (64, 128, 4, 2, True), (64, 128, 4, 3, True),
+                 (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 128, 4, 2, True)]
 
 
 def sdpa_fn(q, k, v, backend):
@@ -206,22 +216,37 @@ def sdpa_fn(q, k, v, backend):
     return fn
 
 
-def bench_prefill_goals() -> list[tuple[str, float]]:
-    """(what, TFLOP/s) for issue #27's prefill shapes."""
+def bench_prefill_goals(sweep: bool = False) -> list[tuple[str, float]]:
+    """(what, TFLOP/s) for issue #27's prefill shapes (sweep: also PREFILL_SWEEP's tiles, printed)."""
     from torch.nn.attention import SDPBackend
     rows = []
-    for what, (num_seqs, num_new, num_cached) in (("paged 16 x 1,024 after 1,024 cached", (16, 1024, 1024)),
-                                                  ("paged 8 x 2,000", (8, 2000, 0))):
-        fn, pairs = paged_prefill(num_seqs, num_new, num_cached)
-        rows.append((f"Triton, {what}", 4 * HEAD_DIM * HEADS * pairs / (ms(fn) * 1e-3) / 1e12))
     total = 12000
     q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
     cu = torch.tensor([0, total], device="cuda", dtype=torch.int32)
     flops = 4 * HEAD_DIM * HEADS * causal_pairs(total, 0)
-    ours = lambda: flash_attn_varlen_func(q, k, v, cu, cu, total, total, causal=True)
-    rows.append(("Triton, packed 1 x 12,000", flops / (ms(ours) * 1e-3) / 1e12))
+
+    def packed(**tiles):
+        return lambda: prefill_attention(q, k, v, cu, cu, causal=True, max_seqlen_q=total, **tiles)
+
+    shapes = [("paged 16 x 1,024 after 1,024 cached", lambda **t: paged_prefill(16, 1024, 1024, **t)),
+              ("paged 8 x 2,000", lambda **t: paged_prefill(8, 2000, 0, **t)),
+              ("packed 1 x 12,000", lambda **t: (packed(**t), causal_pairs(total, 0)))]
+    for what, make in shapes:
+        for tiles in [{}, {"use_tma": False}] + ([dict(zip(("block_m", "block_n", "num_warps", "num_stages",
+                                                                "use_tma"), c)) for c in PREFILL_SWEEP] if sweep else []):
+            try:
+                fn, pairs = make(**tiles)
+                tflops = 4 * HEAD_DIM * HEADS * pairs / (ms(fn) * 1e-3) / 1e12
+            except Exception as e:                      # noqa: BLE001 - report and go on
+                print(f"  {what} {tiles} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            if tiles and (sweep or "use_tma" not in tiles):
+                print(f"  sweep prefill {what} {tiles}: {tflops:.1f} TFLOP/s", flush=True)
+            if len(tiles) <= 1:
+                rows.append((f"Triton, {what}{' (pointer loads)' if tiles else ''}", tflops))
+    ours = packed()
     for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash (torch's FA2)", SDPBackend.FLASH_ATTENTION)):
         try:
             fn = sdpa_fn(q, k, v, backend)
@@ -259,7 +284,7 @@ def main():
     if args.goals:
         print("| prefill, 16q/8kv heads, D=128, bf16, causal | TFLOP/s |")
         print("|---|---|")
-        for what, tflops in bench_prefill_goals():
+        for what, tflops in bench_prefill_goals(args.sweep):
             print(f"| {what} | {tflops:.1f} |")
         return
     copy_bw = measure_bandwidth(torch.device("cuda"))

@@ -18,20 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_tile import dot_operand, load_kv_tile, tile_page, wants_fp16_dots
+from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, end, offs_d, qk_scale,
+def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, end, offs_d, qk_scale, kv_head,
                  stride_kb, stride_kt, stride_vb, stride_vt,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     offs_n = n_start + tl.arange(0, BLOCK_N)
     page = tile_page(bt_row_ptr, n_start, end, True, PAGE, BLOCK_N)
     k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, 0, n_start, end, offs_d,
-                        stride_kb, stride_kt, stride_vb, stride_vt, True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
+                        stride_kb, stride_kt, stride_vb, stride_vt, True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED,
+                        TMA, kv_head)
     k, v = k.to(q.dtype), v.to(q.dtype)     # an fp8 cache is dequantized here, in registers
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [GROUP_PAD, BLOCK_N]
@@ -53,7 +54,7 @@ def _decode_kernel(
     num_heads, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,18 +81,17 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
+    k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
 
     for n_start in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, end,
-                                     offs_d, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC)
+                                     offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC, TMA)
     if full_end < end:
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, full_end, end,
-                                     offs_d, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC)
+                                     offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC, TMA)
 
     if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -159,8 +159,10 @@ def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype:
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
-                     num_splits=None, block_n=None, num_warps=None, num_stages=None, fp16_dots=None):
-    """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics)."""
+                     num_splits=None, block_n=None, num_warps=None, num_stages=None, fp16_dots=None,
+                     use_tma=None):
+    """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics).
+    use_tma: None reads K/V through TMA where it applies (kv_tile.kv_descriptors), False never."""
     batch, q_len, num_heads, head_dim = q.shape
     assert q_len == 1, "decode takes one new token per sequence"
     assert block_table is not None, "decode reads the paged cache through block_table"
@@ -187,8 +189,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         part_acc = torch.empty(batch, num_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out      # never touched
+    descs = kv_descriptors(k_cache, v_cache, True, block_n, use_tma)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, cache_seqlens, block_table, part_m, part_l, part_acc,
+        q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table, part_m, part_l, part_acc,
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
@@ -196,7 +199,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots,
+        FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -1,8 +1,19 @@
 """Loading one tile of keys and values, packed or through a sequence's row of the block table, and the
-dtype the attention dots run in when the cache is fp8."""
+dtype the attention dots run in when the cache is fp8.
+
+On Hopper the tiles come through TMA: K and V are described as 2-D [rows, kv_heads * head_dim] tensors
+(a paged cache's pages are consecutive rows), and one instruction copies a [BLOCK_N, head_dim] tile
+into shared memory, with no per-element address arithmetic in the loop. That arithmetic is what kept an
+fp8 cache's decode below copy bandwidth: its tiles carry half the bytes for the same instruction count.
+"""
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:                      # an older Triton: pointer loads only
+    TensorDescriptor = None
 
 
 def wants_fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -10,6 +21,40 @@ def wants_fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     in one instruction and to bf16 only through float32. float16 holds bf16's values in its range (and
     p in [0, 1] more exactly), so accuracy does not suffer."""
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+
+
+def _tma_view(x: torch.Tensor, paged: bool, block_n: int):
+    """x as a 2-D TMA descriptor [rows, kv_heads * head_dim] with [block_n, head_dim] tiles, or None
+    where TMA cannot read it: rows must be evenly strided (a paged cache's pages back to back), strides
+    and base 16-byte aligned, head_dim a power of two (no padded columns read from a neighbour head)."""
+    head_dim, num_heads = x.shape[-1], x.shape[-2]
+    row_stride = x.stride(-3)
+    if x.stride(-1) != 1 or x.stride(-2) != head_dim or head_dim & (head_dim - 1) or head_dim < 16:
+        return None
+    if paged:
+        if x.stride(0) != x.shape[1] * row_stride or block_n > x.shape[1]:
+            return None
+        rows = x.shape[0] * x.shape[1]
+    else:
+        rows = x.shape[0]
+    if (row_stride * x.element_size()) % 16 or x.data_ptr() % 16 or rows == 0:
+        return None
+    return TensorDescriptor(x, [rows, num_heads * head_dim], [row_stride, 1], [block_n, head_dim])
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int, use_tma: bool | None = None):
+    """(k_desc, v_desc) for TMA loads on a Hopper-class GPU, or None (pointer loads).
+    use_tma: None picks TMA wherever it applies; False never; True insists (ValueError if it can't)."""
+    usable = (TensorDescriptor is not None and use_tma is not False
+              and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] >= 9))
+    descs = (_tma_view(k, paged, block_n), _tma_view(v, paged, block_n)) if usable else (None, None)
+    if None in descs:
+        if use_tma:
+            raise ValueError("these K/V tensors cannot be read through TMA descriptors")
+        return None
+    if use_tma is None and k.device.type != "cuda":
+        return None                       # the interpreter runs TMA only when a test asks for it
+    return descs
 
 
 @triton.jit
@@ -53,13 +98,36 @@ def _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, n_limit,
 
 
 @triton.jit
+def kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA: tl.constexpr):
+    """What load_kv_tile reads one kv head from: the descriptors themselves, or the head's pointers."""
+    if TMA:
+        return k_ptr, v_ptr
+    else:
+        return k_ptr + kv_head.to(tl.int64) * stride_kh, v_ptr + kv_head.to(tl.int64) * stride_vh
+
+
+@triton.jit
 def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, limit, offs_d,
                  stride_kb, stride_kt, stride_vb, stride_vt,
                  PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
+                 TMA: tl.constexpr = False, kv_head=0):
     """[BLOCK_N, D_PAD] tiles of K and V for key positions n_start.. of one sequence; with MASKED,
-    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile."""
+    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile.
+    With TMA, k_head_ptr/v_head_ptr are kv_descriptors' and kv_head picks the columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
+    if TMA:
+        if PAGED:
+            row = page * PAGE + n_start % PAGE
+        else:
+            row = k_start + n_start
+        k = k_head_ptr.load([row, kv_head * HEAD_DIM])
+        v = v_head_ptr.load([row, kv_head * HEAD_DIM])
+        if MASKED:                        # rows past the sequence: another's keys, or unwritten (NaN) cache
+            row_ok = (offs_n < limit)[:, None]
+            k = tl.where(row_ok, k, tl.zeros_like(k))
+            v = tl.where(row_ok, v, tl.zeros_like(v))
+        return k, v
     k_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_kb, stride_kt,
                              PAGED, PAGE, BLOCK_N, MASKED)
     v_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_vb, stride_vt,

@@ -17,18 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_tile import dot_operand, load_kv_tile, tile_page, wants_fp16_dots
+from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
-                offs_m, offs_d, diag, lo, hi, qk_scale,
+                offs_m, offs_d, diag, lo, hi, qk_scale, kv_head,
                 stride_kb, stride_kt, stride_vb, stride_vt,
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """Online-softmax update over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
     next_page = tile_page(bt_row_ptr, lo, hi, PAGED, PAGE, BLOCK_N)
     for n_start in range(lo, hi, BLOCK_N):
@@ -37,7 +37,7 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
         next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, hi, PAGED, PAGE, BLOCK_N)
         k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, seq_k, offs_d,
                             stride_kb, stride_kt, stride_vb, stride_vt,
-                            PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
+                            PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED, TMA, kv_head)
         k, v = k.to(q.dtype), v.to(q.dtype)     # an fp8 cache is dequantized here, in registers
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)      # unscaled: the scale rides in the exp's FMA
@@ -64,7 +64,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,8 +98,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_vh
+    k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_btb
 
     # key range: [0, full_end) needs no mask; [full_end, hi) is masked
@@ -115,13 +114,13 @@ def _prefill_kernel(
     full_end = (full_end // BLOCK_N) * BLOCK_N
 
     acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
-                                offs_m, offs_d, diag, 0, full_end, qk_scale,
+                                offs_m, offs_d, diag, 0, full_end, qk_scale, kv_head,
                                 stride_kb, stride_kt, stride_vb, stride_vt,
-                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, False, DOT_PREC)
+                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, False, DOT_PREC, TMA)
     acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
-                                offs_m, offs_d, diag, full_end, hi, qk_scale,
+                                offs_m, offs_d, diag, full_end, hi, qk_scale, kv_head,
                                 stride_kb, stride_kt, stride_vb, stride_vt,
-                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, True, DOT_PREC)
+                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, True, DOT_PREC, TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)            # a row that sees no key gives zeros
     out = acc / l_safe[:, None]
@@ -145,8 +144,9 @@ def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
                       block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      max_seqlen_q=None, fp16_dots=None):
-    """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim)."""
+                      max_seqlen_q=None, fp16_dots=None, use_tma=None):
+    """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim).
+    use_tma: None reads K/V through TMA where it applies (kv_tile.kv_descriptors), False never."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -183,8 +183,9 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
     assert block_m >= group, f"block_m={block_m} holds no query of a group of {group} q heads"
     # one program per (query tile, kv head, sequence); tiles past a shorter sequence's end exit at once
     grid = (triton.cdiv(max_seqlen_q, block_m // group), num_kv_heads, num_seqs)
+    descs = kv_descriptors(k, v, paged, block_n, use_tma)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, bt,
+        q, *(descs or (k, v)), out, cu_seqlens_q, cu_seqlens_k, bt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_btb, scale * _LOG2E,
@@ -192,7 +193,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), PAGED=paged, PAGE=page,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        FP16_DOTS=wants_fp16_dots(q, k) if fp16_dots is None else fp16_dots,
+        FP16_DOTS=wants_fp16_dots(q, k) if fp16_dots is None else fp16_dots, TMA=descs is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

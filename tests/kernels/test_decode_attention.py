@@ -43,21 +43,25 @@ def test_decode_default(group, head_dim):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
-def test_split_edges(num_splits):
-    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks."""
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_split_edges(num_splits, use_tma):
+    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks;
+    K/V tiles loaded through pointers and through TMA descriptors (Hopper's path)."""
     bn = 16
     lens = [1, 2, bn - 1, bn, bn + 1, num_splits * bn - 1, num_splits * bn, num_splits * bn + 1, 200]
     q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float32, DEVICE)
-    out = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=bn)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=bn, use_tma=use_tma)
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
-@pytest.mark.parametrize("block_size,block_n", [(32, 16), (16, 32), (64, 64)])
-def test_block_sizes(block_size, block_n):
-    """Pages larger and smaller than the key tile (per-row page lookup when block_n > block_size)."""
+@pytest.mark.parametrize("block_size,block_n,use_tma", [(32, 16, False), (16, 32, False), (64, 64, False),
+                                                      (64, 16, True), (32, 32, True)])
+def test_block_sizes(block_size, block_n, use_tma):
+    """Pages larger and smaller than the key tile (per-row page lookup when block_n > block_size); TMA
+    tiles at each offset inside a page."""
     lens = [5, 64, 97, 130]
     q, k, v, seqlens, table = _setup(lens, 8, 2, 64, block_size, torch.float32, DEVICE)
-    out = decode_attention(q, k, v, seqlens, table, num_splits=3, block_n=block_n)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=3, block_n=block_n, use_tma=use_tma)
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
@@ -79,8 +83,8 @@ def test_fp8_cache(dtype, tol):
     lens = [1, 30, 75]
     q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float8_e4m3fn, DEVICE)
     q = q.to(dtype)
-    for splits in (1, 3):
-        out = decode_attention(q, k, v, seqlens, table, num_splits=splits)
+    for splits, use_tma in ((1, False), (3, False), (3, True)):
+        out = decode_attention(q, k, v, seqlens, table, num_splits=splits, block_n=16, use_tma=use_tma)
         assert out.dtype == dtype
         _check(out, _ref(q, k, v, seqlens, table), tol)
 

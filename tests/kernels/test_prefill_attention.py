@@ -56,14 +56,17 @@ def test_packed(causal, group, head_dim):
 
 @pytest.mark.parametrize("block_size,block_n", [(16, None), (32, None), (16, 32), (64, 32)])
 @pytest.mark.parametrize("group", [1, 2])
-def test_paged(block_size, block_n, group):
-    """K/V read through the block table; block_n > block_size takes the per-row page lookup."""
+@pytest.mark.parametrize("use_tma", [False, None], ids=["pointers", "default"])
+def test_paged(block_size, block_n, group, use_tma):
+    """K/V read through the block table; block_n > block_size takes the per-row page lookup (and
+    pointer loads, TMA or not)."""
     kv_heads, head_dim = 2, 64
     lens_q, lens_k = [3, 50, 20], [70, 50, 37]
     q = torch.randn(sum(lens_q), kv_heads * group, head_dim, device=DEVICE)
     k_cache, v_cache, table = _paged(lens_k, kv_heads, head_dim, block_size, torch.float32, DEVICE)
     cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
-    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table, block_n=block_n)
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table, block_n=block_n,
+                            use_tma=use_tma)
     _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, True, table), 1e-5)
 
 
@@ -146,3 +149,34 @@ def test_full_size_bf16(paged, head_dim):
         table = None
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, block_table=table)
     _check(out, _ref(q, k, v, cu_q, cu_k, lens_q, lens_k, True, table), 1e-2)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_tma_tiles(paged, cache_dtype):
+    """K/V tiles copied through TMA descriptors (the Hopper path) equal the reference: packed K/V sliced
+    out of a fused qkv row (row stride wider than the heads), or pages of a cache, the last tile of each
+    sequence masked."""
+    kv_heads, group, head_dim = 2, 2, 64
+    lens_q, lens_k = [3, 40, 17], [35, 40, 50]
+    q = torch.randn(sum(lens_q), kv_heads * group, head_dim, device=DEVICE)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    if paged:
+        k, v, table = _paged(lens_k, kv_heads, head_dim, 32, cache_dtype, DEVICE)   # two tiles a page
+    else:
+        kv = torch.randn(sum(lens_k), 3 * kv_heads, head_dim, device=DEVICE).to(cache_dtype)
+        k, v, table = kv[:, kv_heads:2 * kv_heads], kv[:, 2 * kv_heads:], None
+    out = prefill_attention(q, k, v, cu_q, cu_k, causal=True, block_table=table, block_n=16, use_tma=True)
+    _check(out, _ref(q, k.float(), v.float(), cu_q, cu_k, lens_q, lens_k, True, table), 1e-5)
+
+
+def test_tma_refused_where_it_cannot_read():
+    """use_tma=True on tensors TMA cannot describe (head_dim 96 would read a neighbour's columns) is
+    an error, not a silent fallback; the default falls back to pointer loads."""
+    q = torch.randn(8, 2, 96, device=DEVICE)
+    k = torch.randn(8, 2, 96, device=DEVICE)
+    cu = _cu([8], DEVICE)
+    with pytest.raises(ValueError, match="TMA"):
+        prefill_attention(q, k, k, cu, cu, causal=True, use_tma=True)
+    out = prefill_attention(q, k, k, cu, cu, causal=True)
+    _check(out, _ref(q, k, k, cu, cu, [8], [8], True), 1e-5)
