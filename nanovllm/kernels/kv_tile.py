@@ -127,7 +127,19 @@ def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, lim
             row_ok = (offs_n < limit)[:, None]
             k = tl.where(row_ok, k, tl.zeros_like(k))
             v = tl.where(row_ok, v, tl.zeros_like(v))
-        return k, v
+    else:                                 # (Triton 3.6 traces past a return inside a constexpr branch)
+        k, v = _load_kv_pointers(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, offs_n, limit, offs_d,
+                                 stride_kb, stride_kt, stride_vb, stride_vt,
+                                 PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
+    return k, v
+
+
+@triton.jit
+def _load_kv_pointers(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, offs_n, limit, offs_d,
+                      stride_kb, stride_kt, stride_vb, stride_vt,
+                      PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+    """load_kv_tile through per-element pointers (any GPU, any layout)."""
     k_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_kb, stride_kt,
                              PAGED, PAGE, BLOCK_N, MASKED)
     v_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_vb, stride_vt,
