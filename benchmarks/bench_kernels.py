@@ -62,8 +62,8 @@ def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
     if sweep:
         # (splits, block_n, warps, stages, use_tma, fp16_dots); None: the default
         configs = [(None, bn, w, st, tma, None) for tma in (False, True) for bn, w, st in
-                   [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3),
-                    (256, 4, 2), (256, 4, 3), (256, 8, 2), (256, 8, 3)]]
+                   [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2),
+                    (128, 8, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2), (256, 8, 3)]]
         configs += [(s, None, None, None, tma, None) for tma in (False, True)
                     for s in (1, 2, 4, 8, 16, 32, 64) if s != splits and s * 128 <= ctx]
         if k.dtype == torch.float8_e4m3fn:     # dots in bf16 instead of the default float16
@@ -200,9 +200,9 @@ def paged_prefill(num_seqs: int, num_new: int, num_cached: int, **tiles):
 
 
 # (block_m, block_n, num_warps, num_stages, use_tma) tried by --goals --sweep
-PREFILL_SWEEP = [(128, 128, 8, 3, False), (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 64, 8, 3, True),
-                 (128, 64, 8, 4, True), (128, 64, 8, 5, True), (64, 128, 4, 2, True), (64, 128, 4, 3, True),
-                 (64, 64, 4, 3, True), (64, 64, 4, 4, True), (128, 128, 4, 2, True)]
+PREFILL_SWEEP = [(128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
+                 (64, 64, 4, 2, True), (64, 64, 4, 3, True), (64, 32, 4, 3, True), (64, 32, 4, 4, True),
+                 (128, 32, 8, 4, True)]
 
 
 def sdpa_fn(q, k, v, backend):
@@ -277,6 +277,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--goals", action="store_true", help="issue #27's prefill shapes, with cuDNN's SDPA")
+    parser.add_argument("--decode-only", choices=["bf16", "fp8"], help="only decode with this cache (and --sweep)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
@@ -288,10 +289,12 @@ def main():
             print(f"| {what} | {tflops:.1f} |")
         return
     copy_bw = measure_bandwidth(torch.device("cuda"))
-    decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in (DTYPE, torch.float8_e4m3fn)
+    cache_dtypes = {"bf16": [DTYPE], "fp8": [torch.float8_e4m3fn], None: [DTYPE, torch.float8_e4m3fn]}
+    decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in cache_dtypes[args.decode_only]
               for b, c in [(256, 1024), (8, 8192)]]
-    prefill = bench_prefill(args.sweep)
-    sampling = bench_sampling()
+    if not args.decode_only:
+        prefill = bench_prefill(args.sweep)
+        sampling = bench_sampling()
 
     print()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
@@ -302,6 +305,8 @@ def main():
         bw = nbytes / (tg * 1e-3)
         print(f"| batch {b} x ctx {c} | {str(dt).removeprefix('torch.')} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
               f"{100 * bw / copy_bw:.0f}% | {te * 1e3:.1f} us |")
+    if args.decode_only:
+        return
     ours, paged, paged_fp8, ref, desc, t_ours, t_ref = prefill
     print()
     print("| prefill 16 x 1024 causal, 16q/8kv heads, D=128, bf16 | time | TFLOP/s | % of torch |")
