@@ -61,11 +61,11 @@ def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
     if sweep:
         # (splits, block_n, warps, stages, use_tma, fp16_dots); None: the default
-        configs = [(None, bn, w, st, tma, None) for tma in (False, True) for bn, w, st in
-                   [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2),
-                    (128, 8, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2), (256, 8, 3)]]
-        configs += [(s, None, None, None, tma, None) for tma in (False, True)
-                    for s in (1, 2, 4, 8, 16, 32, 64) if s != splits and s * 128 <= ctx]
+        configs = [(None, None, None, None, False, None)]          # the default tiles through pointers
+        configs += [(None, bn, w, st, True, None) for bn, w, st in
+                    [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2),
+                     (128, 8, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2), (256, 8, 3)]]
+        configs += [(s, None, None, None, True, None) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 128 <= ctx]
         if k.dtype == torch.float8_e4m3fn:     # dots in bf16 instead of the default float16
             configs += [(None, 128, 4, st, True, False) for st in (2, 3)]
         for s, bn, w, st, tma, fp16 in configs:
