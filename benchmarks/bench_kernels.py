@@ -12,7 +12,8 @@ Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128, bf16, block_size 256.
 Sampling: one decode step's draw at batch 256 x vocab 151936 (bf16 logits, temperature 0.6): the
 Triton kernel against the same Gumbel-max in torch, eager and under torch.compile.
 
---sweep also times a few tile configurations and split counts (printed before the table).
+--sweep also times a few tile configurations and split counts (printed before the table); --only
+decode-bf16|decode-fp8|prefill runs that part alone.
 
 --goals times issue #27's prefill shapes instead: paged 16 x 1,024 new tokens continuing 1,024 cached ones
 and 8 x 2,000 fresh, packed 1 x 12,000; the packed one also through torch's SDPA with the cuDNN and the
@@ -61,13 +62,10 @@ def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
     if sweep:
         # (splits, block_n, warps, stages, use_tma, fp16_dots); None: the default
-        configs = [(None, None, None, None, False, None)]          # the default tiles through pointers
-        configs += [(None, bn, w, st, True, None) for bn, w, st in
-                    [(64, 4, 3), (64, 4, 4), (64, 4, 6), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2),
-                     (128, 8, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2), (256, 8, 3)]]
-        configs += [(s, None, None, None, True, None) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 128 <= ctx]
-        if k.dtype == torch.float8_e4m3fn:     # dots in bf16 instead of the default float16
-            configs += [(None, 128, 4, st, True, False) for st in (2, 3)]
+        configs = [(None, bn, w, st, tma, None) for bn, w, st, tma in
+                   [(None, None, None, False), (128, 4, 3, True), (128, 2, 3, False), (128, 2, 4, False),
+                    (64, 2, 4, False), (64, 2, 6, False), (256, 2, 2, False), (64, 4, 6, False), (128, 4, 5, False)]]
+        configs += [(s, None, None, None, False, None) for s in (1, 2, 4, 8, 16) if s != splits and s * 128 <= ctx]
         for s, bn, w, st, tma, fp16 in configs:
             fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w,
                                           num_stages=st, fp16_dots=fp16, use_tma=tma)
@@ -172,9 +170,11 @@ def bench_prefill(sweep):
     print(f"  max |paged fp8 - packed| = {(paged_fp8().float() - ours().float()).abs().max().item():.3e}")
     t_paged_fp8 = ms(paged_fp8)
     if sweep:
-        for fp16 in (False, True):
-            t = ms(lambda: prefill_attention(q, k8, v8, cu, cu, causal=True, block_table=table, fp16_dots=fp16))
-            print(f"  sweep prefill paged fp8 fp16_dots={fp16}: {t * 1e3:8.1f} us  {tflops(t):6.1f} TFLOP/s")
+        for tma in (False, True):
+            for tk, tv in ((k_cache, v_cache), (k8, v8)):
+                t = ms(lambda: prefill_attention(q, tk, tv, cu, cu, causal=True, block_table=table, use_tma=tma))
+                print(f"  sweep prefill paged {str(tk.dtype)[6:]} use_tma={tma}: {t * 1e3:8.1f} us  "
+                      f"{tflops(t):6.1f} TFLOP/s", flush=True)
     return tflops(t_ours), tflops(t_paged), tflops(t_paged_fp8), tflops(t_torch), torch_desc, t_ours, t_torch
 
 
@@ -277,7 +277,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--goals", action="store_true", help="issue #27's prefill shapes, with cuDNN's SDPA")
-    parser.add_argument("--decode-only", choices=["bf16", "fp8"], help="only decode with this cache (and --sweep)")
+    parser.add_argument("--only", choices=["decode-bf16", "decode-fp8", "prefill"],
+                        help="only this part of the table (and of --sweep)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
@@ -289,12 +290,12 @@ def main():
             print(f"| {what} | {tflops:.1f} |")
         return
     copy_bw = measure_bandwidth(torch.device("cuda"))
-    cache_dtypes = {"bf16": [DTYPE], "fp8": [torch.float8_e4m3fn], None: [DTYPE, torch.float8_e4m3fn]}
-    decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in cache_dtypes[args.decode_only]
+    cache_dtypes = {"decode-bf16": [DTYPE], "decode-fp8": [torch.float8_e4m3fn], "prefill": [],
+                    None: [DTYPE, torch.float8_e4m3fn]}
+    decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in cache_dtypes[args.only]
               for b, c in [(256, 1024), (8, 8192)]]
-    if not args.decode_only:
-        prefill = bench_prefill(args.sweep)
-        sampling = bench_sampling()
+    prefill = bench_prefill(args.sweep) if args.only in (None, "prefill") else None
+    sampling = bench_sampling() if args.only is None else []
 
     print()
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
@@ -305,7 +306,7 @@ def main():
         bw = nbytes / (tg * 1e-3)
         print(f"| batch {b} x ctx {c} | {str(dt).removeprefix('torch.')} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
               f"{100 * bw / copy_bw:.0f}% | {te * 1e3:.1f} us |")
-    if args.decode_only:
+    if prefill is None:
         return
     ours, paged, paged_fp8, ref, desc, t_ours, t_ref = prefill
     print()
@@ -315,6 +316,8 @@ def main():
     print(f"| Triton, paged K/V (block 256) | | {paged:.1f} | {100 * paged / ref:.0f}% |")
     print(f"| Triton, paged fp8 K/V (block 256) | | {paged_fp8:.1f} | {100 * paged_fp8 / ref:.0f}% |")
     print(f"| torch: {desc} | {t_ref * 1e3:.0f} us | {ref:.1f} | 100% |")
+    if not sampling:
+        return
     print()
     print("| sampling 256 x 151936 bf16 logits, T=0.6 | time | GB/s of logits read |")
     print("|---|---|---|")
