@@ -195,7 +195,7 @@ def paged_prefill(num_seqs: int, num_new: int, num_cached: int, **tiles):
     cu_q = torch.arange(0, num_seqs * num_new + 1, num_new, device="cuda", dtype=torch.int32)
     cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device="cuda", dtype=torch.int32)
     fn = lambda: prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table,
-                                   max_seqlen_q=num_new, **tiles)
+                                   max_seqlen_q=num_new, max_seqlen_k=seq_k, **tiles)
     return fn, num_seqs * causal_pairs(num_new, num_cached)
 
 
@@ -228,7 +228,7 @@ def bench_prefill_goals(sweep: bool = False) -> list[tuple[str, float]]:
     flops = 4 * HEAD_DIM * HEADS * causal_pairs(total, 0)
 
     def packed(**tiles):
-        return lambda: prefill_attention(q, k, v, cu, cu, causal=True, max_seqlen_q=total, **tiles)
+        return lambda: prefill_attention(q, k, v, cu, cu, causal=True, max_seqlen_q=total, max_seqlen_k=total, **tiles)
 
     shapes = [("paged 16 x 1,024 after 1,024 cached", lambda **t: paged_prefill(16, 1024, 1024, **t)),
               ("paged 8 x 2,000", lambda **t: paged_prefill(8, 2000, 0, **t)),

@@ -14,6 +14,7 @@ from nanovllm.layers.fused_moe import moe_warmup_token_counts
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.layers.quantization import building_with_quantization, fp8_warmup_token_counts
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
+from nanovllm.kernels.prefill_attention import SHORT_KEYS
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
@@ -126,8 +127,10 @@ class ModelRunner:
         seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         budget = seq_len * max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         self._warm_prefill(budget)
-        # each MoE and FP8 GEMM kernel variant a batch can reach
-        for num_tokens in sorted(set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model))):
+        # each MoE and FP8 GEMM kernel variant a batch can reach, and prefill attention's tiles for short
+        # key ranges (the budget's prompts may be long enough for its other tiles)
+        extra = set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model)) | {SHORT_KEYS}
+        for num_tokens in sorted(extra):
             if num_tokens < budget:
                 self._warm_prefill(num_tokens)
         torch.cuda.empty_cache()
@@ -155,6 +158,14 @@ class ModelRunner:
         self.run([seq], True)
         seq.num_cached_tokens = self.block_size
         self.run([seq], False)                  # before any graph is captured: eager
+        # one token after a long cached prefix: the prefill kernel's tiles for long key ranges
+        long_prefix = SHORT_KEYS + 1
+        num_blocks = long_prefix // self.block_size + 1
+        if self.config.max_model_len > long_prefix and self.num_kvcache_blocks >= num_blocks:
+            seq = Sequence([0] * (long_prefix + 1), SamplingParams(), self.block_size)
+            seq.block_table = list(range(num_blocks))
+            seq.num_cached_tokens, seq.num_scheduled_tokens = long_prefix, 1
+            self.run([seq], True)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[K/V, layers, blocks, block_size, this rank's kv heads, head_dim]."""

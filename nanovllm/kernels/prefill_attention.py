@@ -131,36 +131,59 @@ def _prefill_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+# A causal batch whose longest query row sees on average fewer keys than this takes the small tiles
+SHORT_KEYS = 1280
+
+
+def mean_keys(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> int:
+    """Keys an average query of the longest sequence attends to (what picks the tile size)."""
+    return max_seqlen_k - max_seqlen_q // 2 if causal else max_seqlen_k
+
+
+def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device, keys: int | None = None) -> dict:
     if device.type != "cuda":          # Triton's interpreter: small tiles keep the tests quick
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:         # no tensor-core path worth tuning; keep registers and smem small
         return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if keys is not None and keys < SHORT_KEYS:
+        # H100, TMA loads: a program's fixed cost (q tile, pipeline fill, store) weighs on short key
+        # ranges; 64 x 64 tiles fit three programs on an SM, which hide it. 8 x 2,000 fresh tokens: 402
+        # TFLOP/s against 376 with 128 x 128; at 1,536 keys (16 x 1,024 after 1,024) 441 against 446.
+        return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
     # H100, Qwen3-0.6B shape: 128/128 beats 128/64 by 3% (8 x 2,000 tokens) to 8% (1 x 12,000)
     return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
                       block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      max_seqlen_q=None, fp16_dots=None, use_tma=None):
-    """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim).
-    use_tma: None reads K/V through TMA where it applies (kv_tile.kv_descriptors), False never."""
+                      max_seqlen_q=None, fp16_dots=None, use_tma=None, max_seqlen_k=None):
+    """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim, and with
+    max_seqlen_k given, for the batch's key range: mean_keys).
+    use_tma: None reads 16-bit K/V through TMA where it applies (kv_tile.kv_descriptors), False never."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
     assert k.shape[-1] == head_dim and v.shape[-1] == head_dim
-    cfg = _default_config(head_dim, q.dtype, q.device)
-    block_m = block_m or cfg["block_m"]
-    block_n = block_n or cfg["block_n"]
-    num_warps = num_warps or cfg["num_warps"]
-    num_stages = num_stages or cfg["num_stages"]
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
     if total_q == 0 or num_seqs == 0:
         return out
+    if max_seqlen_q is None:                          # flash-attn callers pass it; others pay a sync
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if use_tma is None and k.element_size() == 1:
+        # an fp8 cache's tiles: widening them to float16 bounds the loop, and TMA measured no faster
+        # (H100 engine runs with an fp8 cache: prefill 1-3% slower), so they keep pointer loads
+        use_tma = False
+    # the short-range tiles were measured with TMA loads only
+    keys = mean_keys(max_seqlen_q, max_seqlen_k, causal) if max_seqlen_k is not None and use_tma is not False else None
+    cfg = _default_config(head_dim, q.dtype, q.device, keys)
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     paged = block_table is not None
@@ -177,8 +200,6 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
         stride_vb, stride_vt, stride_vh = 0, v.stride(0), v.stride(1)
         bt, stride_btb = cu_seqlens_k, 0   # never read
 
-    if max_seqlen_q is None:                          # flash-attn callers pass it; others pay a sync
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
     assert block_m >= group, f"block_m={block_m} holds no query of a group of {group} q heads"
     # one program per (query tile, kv head, sequence); tiles past a shorter sequence's end exit at once
@@ -205,4 +226,4 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            causal: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches."""
     return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table,
-                             max_seqlen_q=max_seqlen_q)
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)

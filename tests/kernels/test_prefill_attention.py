@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import flash_attn_varlen_func, torch_flash_attn_varlen_func
-from nanovllm.kernels.prefill_attention import prefill_attention
+from nanovllm.kernels.prefill_attention import SHORT_KEYS, _default_config, mean_keys, prefill_attention
 from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
@@ -180,3 +180,15 @@ def test_tma_refused_where_it_cannot_read():
         prefill_attention(q, k, k, cu, cu, causal=True, use_tma=True)
     out = prefill_attention(q, k, k, cu, cu, causal=True)
     _check(out, _ref(q, k, k, cu, cu, [8], [8], True), 1e-5)
+
+
+def test_tile_size_follows_the_key_range():
+    """On a GPU, 64 x 64 tiles where the longest sequence's average query sees fewer than SHORT_KEYS
+    keys (8 fresh prompts of 2,000 tokens), 128 x 128 otherwise; the warm-up's two runs land one each
+    side (a fresh prompt of SHORT_KEYS tokens, one token after SHORT_KEYS + 1 cached ones)."""
+    cuda = torch.device("cuda")
+    tiles = lambda q, k: _default_config(128, torch.bfloat16, cuda, mean_keys(q, k, causal=True))["block_m"]
+    assert tiles(2000, 2000) == 64
+    assert tiles(1024, 2048) == 128 and tiles(12000, 12000) == 128
+    assert tiles(SHORT_KEYS, SHORT_KEYS) == 64 and tiles(1, SHORT_KEYS + 2) == 128
+    assert _default_config(128, torch.bfloat16, cuda)["block_m"] == 128       # no key range given
