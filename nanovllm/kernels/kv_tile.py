@@ -7,6 +7,8 @@ head_dim] tile into shared memory, with no per-element address arithmetic in the
 attention 15-18% faster). Decode and fp8 tiles measured no faster through TMA (their loops are bound by
 the bytes read, or by widening fp8), so their callers keep pointer loads unless asked.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,11 +45,16 @@ def _tma_view(x: torch.Tensor, paged: bool, block_n: int):
     return TensorDescriptor(x, [rows, num_heads * head_dim], [row_stride, 1], [block_n, head_dim])
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or later (the interpreter on CPU runs descriptors too)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int, use_tma: bool | None = None):
     """(k_desc, v_desc) for TMA loads on a Hopper-class GPU, or None (pointer loads).
     use_tma: None picks TMA wherever it applies; False never; True insists (ValueError if it can't)."""
-    usable = (TensorDescriptor is not None and use_tma is not False
-              and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] >= 9))
+    usable = TensorDescriptor is not None and use_tma is not False and _has_tma(k.device)
     descs = (_tma_view(k, paged, block_n), _tma_view(v, paged, block_n)) if usable else (None, None)
     if None in descs:
         if use_tma:
