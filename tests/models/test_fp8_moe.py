@@ -57,7 +57,8 @@ def unquantized_activations(x, group=None):
 def test_block_fp8_experts_are_the_dequantized_weights(checkpoints, positions, monkeypatch):
     """With the activations left unquantized, the engine multiplies by exactly the dequantized weights that
     transformers runs (scales, gate/up blocks, shards and layout all right): the same log-probs to float32
-    summation order."""
+    summation order (mean KL under 1e-7: Mixtral measures 1.3e-8 against transformers 5.24, whose experts
+    sum in another order; one wrong scale block costs orders of magnitude more)."""
     from nanovllm.layers import quantization
     monkeypatch.setattr(quantization, "quantize_activations", unquantized_activations)
     logprobs, weights = ours(checkpoints["block"], positions)
@@ -67,7 +68,7 @@ def test_block_fp8_experts_are_the_dequantized_weights(checkpoints, positions, m
     assert weights[f"{experts}.w2_weight_scale_inv"].shape == (8, 2, 2)
     assert weights["model.layers.1.mlp.gate.weight"].dtype == torch.float32         # the router: unquantized
     stats = compare(logprobs, reference(checkpoints, positions), MARGIN)
-    assert stats["agreement"] == 1.0 and stats["kl"] < 1e-8, stats
+    assert stats["agreement"] == 1.0 and stats["kl"] < 1e-7, stats
 
 
 def test_block_fp8_experts_track_transformers_on_the_dequantized_weights(checkpoints, positions):
