@@ -9,7 +9,8 @@ for the whole group (H100, 16 x 1024 and 1 x 12,000 tokens: 3-7% faster than a p
 Tiles that no mask touches run in a loop without masks; the tiles on the causal diagonal (bottom-right
 aligned) and the ragged last tile run in a second, masked loop. With a block table, each key tile's
 rows are found through the sequence's row of it, and an fp8 cache's tiles are widened to q's dtype (to
-float16 for bf16 queries: kv_tile.wants_fp16_dots).
+float16 for bf16 queries: kv_tile.wants_fp16_dots). On Hopper, 16-bit K/V tiles are copied by TMA
+(kv_tile.kv_descriptors); tile sizes follow the batch's key range (mean_keys, SHORT_KEYS).
 """
 import math
 
