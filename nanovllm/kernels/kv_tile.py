@@ -54,14 +54,14 @@ def _has_tma(device: torch.device) -> bool:
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int, use_tma: bool | None = None):
     """(k_desc, v_desc) for TMA loads on a Hopper-class GPU, or None (pointer loads).
     use_tma: None picks TMA wherever it applies; False never; True insists (ValueError if it can't)."""
-    usable = TensorDescriptor is not None and use_tma is not False and _has_tma(k.device)
+    if use_tma is False or (use_tma is None and k.device.type != "cuda"):
+        return None                       # the interpreter runs TMA only when a test asks for it
+    usable = TensorDescriptor is not None and _has_tma(k.device)
     descs = (_tma_view(k, paged, block_n), _tma_view(v, paged, block_n)) if usable else (None, None)
     if None in descs:
         if use_tma:
             raise ValueError("these K/V tensors cannot be read through TMA descriptors")
         return None
-    if use_tma is None and k.device.type != "cuda":
-        return None                       # the interpreter runs TMA only when a test asks for it
     return descs
 
 
