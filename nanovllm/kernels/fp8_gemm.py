@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import skinny_gemm
+from nanovllm.kernels.skinny_gemm import SkinnyConfig
+
 FP8_MAX = 448.0         # largest finite float8_e4m3fn value
 MIN_AMAX = 1e-12        # an all-zero row or group gets a tiny scale (its values quantize to 0), never 0/0
 GROUP = 128             # activation group (block scheme) = the weight block's K width
@@ -216,17 +219,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     return out
 
 
-# ---- decode: the GEMM split over K ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SkinnyConfig:
-    block_n: int
-    num_warps: int
-    num_stages: int
-    programs_per_sm: int = 1    # K is split until the grid has about this many programs per SM
-    block_m: int = 16           # every row of x in one tile (M <= block_m; a tensor-core dot takes 16 or more)
-    block_k: int = 128          # one activation group a step (block-scaled weights)
-
-
+# ---- decode: the GEMM split over K (nanovllm.kernels.skinny_gemm) ---------------------------------------------
 # (smallest M, config): a decode step's few rows, from an H100 sweep (benchmarks/bench_fp8_gemm.py --sweep);
 # larger M takes fp8_gemm or _scaled_mm. (Tried and slower there: activation quantization fused into this
 # kernel, with CUDA-core products for M <= 4: their fp8 -> float32 conversions cost more than the launch saved.)
@@ -236,105 +229,17 @@ SKINNY_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
 
 
 def choose_skinny_config(num_rows: int) -> SkinnyConfig | None:
-    fitting = [config for first, config in SKINNY_CONFIGS if num_rows >= first]
-    return fitting[-1] if fitting and num_rows <= fitting[-1].block_m else None
-
-
-@lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-@lru_cache(maxsize=None)
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters, one per column tile, zero between calls (the last program of a tile resets its own)."""
-    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
-
-
-def split_k(num_col_tiles: int, width: int, config: SkinnyConfig, device: torch.device) -> int:
-    """Parts of K per column tile: enough programs to keep every SM streaming weights, each part at least
-    4 K steps."""
-    split = 1
-    target = config.programs_per_sm * _multiprocessors(device)
-    while num_col_tiles * split < target and width >= 2 * split * 4 * config.block_k:
-        split *= 2
-    return split
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_skinny_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, partial_ptr, counter_ptr, M, N, K,
-                       k_per_split, stride_a, stride_a_scale, stride_b, stride_c, stride_b_scale,
-                       BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """_fp8_gemm_kernel's product for M <= BLOCK_M, with K split: program (j, s) computes columns
-    [j*BLOCK_N, (j+1)*BLOCK_N) over K range [s*k_per_split, (s+1)*k_per_split). The parts of a column tile
-    meet in a float32 buffer [splits, BLOCK_M, N]: the last program to arrive (an atomic counter) adds them
-    in order, so the result does not depend on which part finished first."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = (offs_m % M).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
-    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
-    b_ptrs = b_ptr + cols[None, :] * stride_b + offs_k[:, None]            # [BLOCK_K, BLOCK_N], K-major
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_first = pid_k * k_per_split
-    for k in range(k_first, tl.minimum(k_first + k_per_split, K), BLOCK_K):
-        inside = offs_k < K - k
-        a = tl.load(a_ptrs + k, mask=inside[None, :], other=0.0)
-        b = tl.load(b_ptrs + k, mask=inside[:, None], other=0.0)
-        part = tl.dot(a, b)
-        if BLOCK_SCALED:
-            a_scale = tl.load(a_scale_ptr + rows * stride_a_scale + k // 128)
-            b_scale = tl.load(b_scale_ptr + (cols // 128) * stride_b_scale + k // 128)
-            part = part * a_scale[:, None] * b_scale[None, :]
-        acc += part
-    if not BLOCK_SCALED:
-        acc = acc * tl.load(a_scale_ptr + rows)[:, None] * tl.load(b_scale_ptr + cols)[None, :]
-    c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c + offs_n[None, :]
-    if num_splits == 1:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-    else:
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + pid_k * BLOCK_M * N + tile, acc, mask=c_mask)
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")   # releases the part stored above
-        if arrived == num_splits - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for part_index in range(0, num_splits):
-                total += tl.load(partial_ptr + part_index * BLOCK_M * N + tile, mask=c_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
-            tl.store(counter_ptr + pid_n, 0)        # ready for the next call (and graph replay)
+    return skinny_gemm.choose_config(num_rows, SKINNY_CONFIGS)
 
 
 def fp8_skinny_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     out_dtype: torch.dtype, block_scaled: bool, config: SkinnyConfig | None = None) -> torch.Tensor:
     """fp8_gemm for M <= 16 (a decode step), K split over more programs than N's tiles alone would give."""
-    num_rows, width = a.shape
-    num_cols = b.shape[0]
-    config = config or choose_skinny_config(num_rows)
-    assert config is not None and num_rows <= config.block_m and config.block_k == GROUP
-    assert a.stride(1) == 1 and b.stride(1) == 1 and a_scale.is_contiguous() and b_scale.is_contiguous()
-    out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a.device)
-    if num_rows == 0:
-        return out
-    tiles = triton.cdiv(num_cols, config.block_n)
-    splits = split_k(tiles, width, config, a.device)
-    steps = triton.cdiv(triton.cdiv(width, config.block_k), splits)
-    partial = (torch.empty(splits, config.block_m, num_cols, dtype=torch.float32, device=a.device) if splits > 1
-               else out)
-    counters = _tile_counters(a.device)
-    assert tiles <= counters.numel()
-    _fp8_skinny_kernel[(tiles, splits)](
-        a, a_scale, b, b_scale, out, partial, counters, num_rows, num_cols, width, steps * config.block_k,
-        a.stride(0), a_scale.stride(0) if block_scaled else 0, b.stride(0), out.stride(0),
-        b_scale.stride(0) if block_scaled else 0, BLOCK_SCALED=block_scaled, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a_scale.is_contiguous() and b_scale.is_contiguous()
+    config = config or choose_skinny_config(a.shape[0])
+    assert config is not None and a.shape[0] <= config.block_m and config.block_k == GROUP
+    return skinny_gemm.skinny_gemm(a, b, a_scale=a_scale, b_scale=b_scale, block_scaled=block_scaled,
+                                   out_dtype=out_dtype, config=config)
 
 
 @lru_cache(maxsize=None)

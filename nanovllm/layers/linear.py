@@ -12,9 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.quantization import (create_fp8_weights, current_quantization, fp8_linear,
                                           quantize_after_loading)
 from nanovllm.utils.parallel import current_group
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias. On a GPU a decode step's few rows take the split-K skinny GEMM: cuBLAS's tiles
+    leave most SMs idle there, and the step is bound by reading the weights."""
+    num_rows = x.numel() // x.shape[-1]
+    if (x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+            and skinny_gemm.choose_config(num_rows) is not None):
+        out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -64,7 +76,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is not None:
             return fp8_linear(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every checkpoint tensor is in: online FP8 quantization happens here."""
@@ -138,5 +150,12 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        y = F.linear(x, self.weight, bias) if self.quantization is None else fp8_linear(self, x, bias)
+        y = dense_linear(x, self.weight, bias) if self.quantization is None else fp8_linear(self, x, bias)
         return self.tp.all_reduce(y)
+
+
+def dense_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
+    """One row count per skinny GEMM variant (the engine's warm-up runs each), if the model has linear layers
+    in its own dtype."""
+    dense = any(isinstance(m, LinearBase) and m.quantization is None for m in model.modules())
+    return skinny_gemm.config_token_counts() if dense else ()

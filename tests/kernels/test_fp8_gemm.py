@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nanovllm.kernels import fp8_gemm
+from nanovllm.kernels import fp8_gemm, skinny_gemm
 from nanovllm.layers.quantization import (dequantize_weight, fp8_linear_torch, quantize_activations,
                                           quantize_weight)
 
@@ -74,7 +74,7 @@ def test_each_decode_config_matches_the_torch_path(first, block_scaled, split):
     config = replace(config, programs_per_sm=64 if split else 0)
     scheme = "block" if block_scaled else "channel"
     n, k = 2 * config.block_n + 5, 8 * config.block_k + 76
-    assert (fp8_gemm.split_k(3, k, config, torch.device(DEVICE)) > 1) == split
+    assert (skinny_gemm.split_k(3, k, config, torch.device(DEVICE)) > 1) == split
     q_w, s_w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.05, scheme)
     last = max(m for m in range(first, config.block_m + 1) if fp8_gemm.choose_skinny_config(m) == config
                or fp8_gemm.choose_skinny_config(m) == fp8_gemm.choose_skinny_config(first))
@@ -88,7 +88,7 @@ def test_each_decode_config_matches_the_torch_path(first, block_scaled, split):
         ref = fp8_linear_torch(x.float(), q_w, s_w, scheme)
         out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled)
         torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=1e-5 * ref.abs().max().item())
-    assert not fp8_gemm._tile_counters(torch.device(DEVICE)).any()       # every tile's counter reset
+    assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()       # every tile's counter reset
 
 
 def test_the_skinny_buckets_cover_a_decode_batch_then_hand_over():

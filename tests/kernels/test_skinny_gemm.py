@@ -1,0 +1,95 @@
+"""The decode GEMM (nanovllm.kernels.skinny_gemm) in the model's dtype against a float32 matmul: under Triton's
+interpreter on small shapes (CPU), at full size on a GPU; and the linear layers' choice of it."""
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels import skinny_gemm
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+# Triton 3.9's interpreter multiplies bfloat16 dots wrongly (float16 right): the kernel is the same for both
+DTYPE = torch.bfloat16 if CUDA else torch.float16
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole-k", "split-k"])
+@pytest.mark.parametrize("first", skinny_gemm.config_token_counts())
+def test_each_config_matches_a_float32_matmul(first, split):
+    """The first and last M of each bucket, ragged N and K (masked tails), K whole or split (parts added by
+    the last program to arrive), with and without a bias: float32 accumulation, one rounding at the end."""
+    config = replace(skinny_gemm.choose_config(first), programs_per_sm=64 if split else 0)
+    n, k = 2 * config.block_n + 5, 8 * config.block_k + 76
+    assert (skinny_gemm.split_k(1, k, config, torch.device(DEVICE)) > 1) == split
+    gen = torch.Generator().manual_seed(first)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE, DTYPE)
+    bias = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    last = max(m for m in range(first, config.block_m + 1) if skinny_gemm.choose_config(m) is not None
+               and skinny_gemm.choose_config(m).block_m == config.block_m)
+    for m in sorted({first, last}):
+        x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
+        for b in (None, bias):
+            out = skinny_gemm.skinny_gemm(x, w, b, out_dtype=torch.float32, config=config)
+            torch.testing.assert_close(out, reference(x, w, b), rtol=1e-5, atol=1e-4)
+            out = skinny_gemm.skinny_gemm(x, w, b, config=config)         # rounded once, to x's dtype
+            assert out.dtype == DTYPE
+            torch.testing.assert_close(out.float(), reference(x, w, b), rtol=8e-3, atol=1e-3)
+    assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()       # every tile's counter reset
+
+
+def test_several_row_tiles_and_a_strided_input():
+    """More rows than one tile (each row tile has its own counters), rows of x strided (a view)."""
+    config = skinny_gemm.SkinnyConfig(32, 4, 2, programs_per_sm=64, block_m=16, block_k=64)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 520, generator=gen).to(DEVICE, DTYPE)
+    wide = torch.randn(37, 600, generator=gen).to(DEVICE, DTYPE)
+    x = wide[:, 40:560]
+    out = skinny_gemm.skinny_gemm(x, w, out_dtype=torch.float32, config=config)
+    torch.testing.assert_close(out, reference(x, w, None), rtol=1e-5, atol=1e-4)
+    assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()
+
+
+def test_the_buckets_cover_a_decode_batch_then_hand_over():
+    assert skinny_gemm.choose_config(0) is None
+    largest = skinny_gemm.CONFIGS[-1][1].block_m
+    for m in range(1, largest + 1):
+        config = skinny_gemm.choose_config(m)
+        assert config is not None and m <= config.block_m
+    assert skinny_gemm.choose_config(largest + 1) is None
+
+
+def test_split_k_fills_the_device_and_keeps_parts_long():
+    config = skinny_gemm.SkinnyConfig(64, 4, 4, programs_per_sm=2)
+    device = torch.device(DEVICE)
+    target = 2 * skinny_gemm._multiprocessors(device)
+    for tiles, width in ((1, 1 << 16), (16, 2048), (64, 4096), (1024, 4096)):
+        split = skinny_gemm.split_k(tiles, width, config, device)
+        assert split == 1 or width // split >= 4 * config.block_k            # each part 4 K steps or more
+        assert tiles * split >= target or width < 2 * split * 4 * config.block_k
+        assert split == 1 or tiles * split // 2 < target                      # no more than needed
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("n, k", [(1024, 2048), (6144, 4096)])
+def test_full_size_on_the_gpu(m, n, k):
+    """Qwen3-0.6B's o and Qwen3-8B's qkv projection shapes, in a CUDA graph (the counters must be reset for
+    every replay), against cuBLAS in float32."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, generator=gen, device="cuda").bfloat16() * 0.02
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    ref = reference(x, w, None)
+    out = skinny_gemm.skinny_gemm(x, w, out_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_gemm.skinny_gemm(x, w, out_dtype=torch.float32)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
