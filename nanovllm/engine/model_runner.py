@@ -131,7 +131,7 @@ class ModelRunner:
         # each MoE, FP8 and skinny GEMM kernel variant a batch can reach, and prefill attention's tiles for short
         # key ranges (the budget's prompts may be long enough for its other tiles)
         extra = (set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model))
-                 | set(dense_warmup_token_counts(self.model)) | {SHORT_KEYS})
+                 | set(dense_warmup_token_counts()) | {SHORT_KEYS})
         for num_tokens in sorted(extra):
             if num_tokens < budget:
                 self._warm_prefill(num_tokens)

@@ -13,20 +13,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import skinny_gemm
+from nanovllm.layers.activation import swiglu
 from nanovllm.layers.quantization import (create_fp8_weights, current_quantization, fp8_linear,
                                           quantize_after_loading)
 from nanovllm.utils.parallel import current_group
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias. On a GPU a decode step's few rows take the split-K skinny GEMM: cuBLAS's tiles
-    leave most SMs idle there, and the step is bound by reading the weights."""
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 skinny_configs: tuple | None = None, gated: bool = False) -> torch.Tensor:
+    """x @ weight^T + bias; `gated`: x holds SwiGLU's [gate | up] halves and the product's input is
+    silu(gate) * up. On a GPU, where `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has tiles for
+    x's rows, the split-K skinny GEMM runs it, the gate computed in its loads; elsewhere cuBLAS, after a
+    SiLU-and-mul kernel if gated."""
     num_rows = x.numel() // x.shape[-1]
-    if (x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
-            and skinny_gemm.choose_config(num_rows) is not None):
-        out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias)
+    config = None
+    if skinny_configs and x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1:
+        config = skinny_gemm.choose_config(num_rows, skinny_configs)
+    if config is not None:
+        out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, gated=gated, config=config)
         return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    return F.linear(swiglu(x) if gated else x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -135,10 +141,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
+    """`gated_input`: the layer's input arrives as SwiGLU's [gate | up] halves (the down projection) and is
+    silu(gate) * up; a decode step computes that inside the skinny GEMM's loads, a launch fewer a layer."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gated_input: bool = False):
         tp = current_group()
         super().__init__(_divide(input_size, tp.size), output_size, bias, tp_dim=1)
+        self.gated_input = gated_input
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.data.dim() == 1:   # the bias (added once, on rank 0's partial sum) or per-channel FP8 scales
@@ -150,12 +159,14 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        y = dense_linear(x, self.weight, bias) if self.quantization is None else fp8_linear(self, x, bias)
+        if self.quantization is not None:
+            y = fp8_linear(self, swiglu(x) if self.gated_input else x, bias)
+        else:
+            y = dense_linear(x, self.weight, bias, skinny_gemm.CONFIGS if self.gated_input else None, self.gated_input)
         return self.tp.all_reduce(y)
 
 
-def dense_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
-    """One row count per skinny GEMM variant (the engine's warm-up runs each), if the model has linear layers
-    in its own dtype."""
-    dense = any(isinstance(m, LinearBase) and m.quantization is None for m in model.modules())
-    return skinny_gemm.config_token_counts() if dense else ()
+def dense_warmup_token_counts() -> tuple[int, ...]:
+    """Row counts that reach each skinny GEMM variant (the LM head's, a gated down projection's): the engine's
+    warm-up runs each once."""
+    return skinny_gemm.config_token_counts()

@@ -18,19 +18,31 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return F.linear(x.float(), w.float(), None if bias is None else bias.float())
 
 
+TABLES = {"gated": skinny_gemm.CONFIGS, "lm_head": skinny_gemm.LM_HEAD_CONFIGS}
+BUCKETS = [(name, first) for name, table in TABLES.items() for first, _ in table]
+
+
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, rounded to x's dtype after the SiLU and after the product (as silu_and_mul)."""
+    gate, up = x.float().chunk(2, -1)
+    return (F.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole-k", "split-k"])
-@pytest.mark.parametrize("first", skinny_gemm.config_token_counts())
-def test_each_config_matches_a_float32_matmul(first, split):
+@pytest.mark.parametrize("table, first", BUCKETS)
+def test_each_config_matches_a_float32_matmul(table, first, split):
     """The first and last M of each bucket, ragged N and K (masked tails), K whole or split (parts added by
-    the last program to arrive), with and without a bias: float32 accumulation, one rounding at the end."""
-    config = replace(skinny_gemm.choose_config(first), programs_per_sm=64 if split else 0)
+    the last program to arrive), with and without a bias, and with the input gated (SwiGLU's silu(gate) * up
+    computed in the loads): float32 accumulation, one rounding at the end."""
+    configs = TABLES[table]
+    config = replace(skinny_gemm.choose_config(first, configs), programs_per_sm=64 if split else 0)
     n, k = 2 * config.block_n + 5, 8 * config.block_k + 76
     assert (skinny_gemm.split_k(1, k, config, torch.device(DEVICE)) > 1) == split
     gen = torch.Generator().manual_seed(first)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE, DTYPE)
     bias = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
-    last = max(m for m in range(first, config.block_m + 1) if skinny_gemm.choose_config(m) is not None
-               and skinny_gemm.choose_config(m).block_m == config.block_m)
+    last = max(m for m in range(first, config.block_m + 1) if skinny_gemm.choose_config(m, configs) is not None
+               and skinny_gemm.choose_config(m, configs).block_m == config.block_m)
     for m in sorted({first, last}):
         x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
         for b in (None, bias):
@@ -39,6 +51,9 @@ def test_each_config_matches_a_float32_matmul(first, split):
             out = skinny_gemm.skinny_gemm(x, w, b, config=config)         # rounded once, to x's dtype
             assert out.dtype == DTYPE
             torch.testing.assert_close(out.float(), reference(x, w, b), rtol=8e-3, atol=1e-3)
+        gate_up = torch.randn(m, 2 * k, generator=gen).to(DEVICE, DTYPE)
+        out = skinny_gemm.skinny_gemm(gate_up, w, bias, gated=True, out_dtype=torch.float32, config=config)
+        torch.testing.assert_close(out, reference(swiglu_reference(gate_up), w, bias), rtol=1e-5, atol=1e-4)
     assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()       # every tile's counter reset
 
 
@@ -54,13 +69,15 @@ def test_several_row_tiles_and_a_strided_input():
     assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()
 
 
-def test_the_buckets_cover_a_decode_batch_then_hand_over():
-    assert skinny_gemm.choose_config(0) is None
-    largest = skinny_gemm.CONFIGS[-1][1].block_m
+@pytest.mark.parametrize("configs", TABLES.values(), ids=TABLES.keys())
+def test_the_buckets_cover_a_decode_batch_then_hand_over(configs):
+    assert skinny_gemm.choose_config(0, configs) is None
+    largest = configs[-1][1].block_m
     for m in range(1, largest + 1):
-        config = skinny_gemm.choose_config(m)
+        config = skinny_gemm.choose_config(m, configs)
         assert config is not None and m <= config.block_m
-    assert skinny_gemm.choose_config(largest + 1) is None
+    assert skinny_gemm.choose_config(largest + 1, configs) is None
+    assert {first for first, _ in configs} <= set(skinny_gemm.config_token_counts())    # warmed up at start
 
 
 def test_split_k_fills_the_device_and_keeps_parts_long():
@@ -93,3 +110,17 @@ def test_full_size_on_the_gpu(m, n, k):
         out.zero_()
         graph.replay()
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16])
+def test_the_gate_in_the_loads_is_the_silu_and_mul_kernel_bitwise(m):
+    """The down projection's fused gate gives bitwise what the separate SiLU-and-mul kernel, then the same
+    tiles, give (Qwen3-8B's down projection)."""
+    from nanovllm.kernels.pointwise import silu_and_mul
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(4096, 12288, generator=gen, device="cuda").bfloat16() * 0.02
+    gate_up = torch.randn(m, 2 * 12288, generator=gen, device="cuda").bfloat16()
+    config = skinny_gemm.choose_config(m)
+    fused = skinny_gemm.skinny_gemm(gate_up, w, gated=True, config=config)
+    assert torch.equal(fused, skinny_gemm.skinny_gemm(silu_and_mul(gate_up), w, config=config))
