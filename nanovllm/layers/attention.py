@@ -3,11 +3,14 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
 
 
 def attention_ops(backend: str) -> SimpleNamespace:
-    """The three flash-attn-shaped functions of one backend: 'flash_attn', 'triton' or 'torch'."""
+    """The three flash-attn-shaped functions of one backend: 'flash_attn', 'triton' or 'torch'; and
+    `fused_rope_store`: whether its store is our Triton one, which the rotary kernel can do in passing."""
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -19,11 +22,13 @@ def attention_ops(backend: str) -> SimpleNamespace:
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
     return SimpleNamespace(store_kvcache=store_kvcache, flash_attn_varlen_func=flash_attn_varlen_func,
-                           flash_attn_with_kvcache=flash_attn_with_kvcache)
+                           flash_attn_with_kvcache=flash_attn_with_kvcache, fused_rope_store=backend != "torch")
 
 
 class Attention(nn.Module):
-    """Writes this step's K/V into the paged cache, then attends: varlen for prefill, paged for decode.
+    """Rotates q and k (given `rotary_emb`), writes this step's K/V into the paged cache, then attends:
+    varlen for prefill, paged for decode. Where the backend's store is our Triton one, the rotary kernel
+    does the write too (one launch fewer per layer).
 
     The ModelRunner binds `k_cache`, `v_cache` (views of its one KV tensor) and `ops` (the backend).
     """
@@ -34,16 +39,27 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.ops = attention_ops("torch")
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                rotary_emb: RotaryEmbedding | None = None, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> torch.Tensor:
         context, ops = get_context(), self.ops
         k_cache, v_cache = self.k_cache, self.v_cache
-        if k_cache.numel() and v_cache.numel():
-            ops.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+        cached = k_cache.numel() and v_cache.numel()
+        # a backend with our Triton store has the rotary call write the cache too: on a GPU its kernel does,
+        # one launch fewer per layer (on CPU, under the interpreter, it rotates and stores in torch)
+        if rotary_emb is not None and cached and ops.fused_rope_store:
+            q, k = rotary_emb(positions, q, k, q_norm, k_norm, value=v, k_cache=k_cache, v_cache=v_cache,
+                              slot_mapping=context.slot_mapping)
+        else:
+            if rotary_emb is not None:
+                q, k = rotary_emb(positions, q, k, q_norm, k_norm)
+            if cached:
+                ops.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
         if context.is_prefill:
             if context.block_tables is not None:    # part of a prompt is cached: read K/V through pages
                 k, v = k_cache, v_cache
             elif k_cache.dtype != k.dtype and k_cache.dtype == torch.float8_e4m3fn:
-                # the fresh K/V hold the fp8 values (store_kvcache rounded them in place): hand them over
+                # the fresh K/V hold the fp8 values (the cache write rounded them in place): hand them over
                 # as fp8, so this prompt's attention runs the arithmetic a later read of its cached
                 # blocks will (float16 dots for bf16 queries), and outputs do not depend on cache hits
                 k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)

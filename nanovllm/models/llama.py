@@ -8,7 +8,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -43,8 +42,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)     # norms: Qwen3 only
-        o = self.attn(q, k, v)
+        # Attention rotates q and k (normalized first: Qwen3 only); on a GPU one kernel also writes the KV cache
+        o = self.attn(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm)
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -55,11 +54,11 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        # SwiGLU: the down projection takes [gate | up] and multiplies silu(gate) * up
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, gated_input=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
