@@ -89,7 +89,8 @@ def main() -> None:
                 cublas = measure(weights, m, lambda x, w: F.linear(x, w))
                 ours = (measure(weights, m, lambda x, w: skinny_gemm.skinny_gemm(x, w))
                         if skinny_gemm.choose_config(m) else None)
-                chosen = measure(weights, m, lambda x, w: dense_linear(x, w, None))
+                tiles = skinny_gemm.CONFIGS if layer == "lm_head" else None     # what the layers pass
+                chosen = measure(weights, m, lambda x, w: dense_linear(x, w, None, tiles))
                 rows.append((model, layer, n, k, m, floor_us, cublas, ours, chosen))
             del weights
             torch.cuda.empty_cache()

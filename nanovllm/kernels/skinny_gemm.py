@@ -32,15 +32,13 @@ class SkinnyConfig:
     block_k: int = 128          # FP8 block scales: one activation group a step
 
 
-# (smallest M, config) for weights in the model's dtype, from an H100 sweep (benchmarks/bench_skinny_gemm.py
-# --sweep) at Qwen3-0.6B's and Qwen3-8B's shapes. At 1-64 rows cuBLAS streams the decoder's projections as
-# fast as these tiles (within ~0.5 us either way), so the layers take this kernel only where it gains:
-# - CONFIGS: the down projection with SwiGLU's gate computed in its loads (one kernel fewer a layer);
-# - LM_HEAD_CONFIGS: the LM head (N = 151,936), which these tiles stream 5-7% faster than cuBLAS.
+# (smallest M, config) for weights in the model's dtype: the LM head (N = 151,936), which these tiles stream
+# 5-7% faster than cuBLAS at 1-64 rows (H100 sweep, benchmarks/bench_skinny_gemm.py --sweep). The decoder's
+# projections stay on cuBLAS: at 1-64 rows it streams them as fast as any tiles swept (within ~0.5 us either
+# way, at Qwen3-0.6B's and Qwen3-8B's shapes). Tried and dropped: SwiGLU's gate computed in the down
+# projection's loads (one launch fewer a layer) ran 3x slower in the engine than cuBLAS plus the separate
+# kernel: a transformed A operand costs the loop its load pipelining.
 CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
-    (1, SkinnyConfig(64, 4, 4, programs_per_sm=1)),
-)
-LM_HEAD_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
     (1, SkinnyConfig(64, 4, 3, programs_per_sm=2, block_k=256)),
     (17, SkinnyConfig(128, 8, 4, programs_per_sm=2, block_m=64)),
 )
@@ -52,10 +50,9 @@ def choose_config(num_rows: int, configs=CONFIGS) -> SkinnyConfig | None:
     return fitting[-1] if fitting and num_rows <= fitting[-1].block_m else None
 
 
-def config_token_counts(*tables) -> tuple[int, ...]:
-    """One row count per bucket of these config tables (default: both), so the engine's warm-up compiles
-    every variant by running each once."""
-    return tuple(sorted({first for table in tables or (CONFIGS, LM_HEAD_CONFIGS) for first, _ in table}))
+def config_token_counts(configs=CONFIGS) -> tuple[int, ...]:
+    """One row count per bucket (the engine's warm-up runs each once, compiling every variant)."""
+    return tuple(first for first, _ in configs)
 
 
 @lru_cache(maxsize=None)
@@ -82,10 +79,9 @@ def split_k(num_tiles: int, width: int, config: SkinnyConfig, device: torch.devi
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, partial_ptr, counter_ptr,
                         M, N, K, k_per_split, stride_a, stride_a_scale, stride_b, stride_c, stride_b_scale,
-                        SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+                        SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """c [M, N] = a [M, K] @ b [N, K]^T (+ bias); with GATED, a = silu(x[:, :K]) * x[:, K:] for x [M, 2K].
-    Program (j, s, i) computes rows [i*BLOCK_M, ...) and columns [j*BLOCK_N, ...) over K range
+    """c [M, N] = a [M, K] @ b [N, K]^T (+ bias). Program (j, s, i) computes rows [i*BLOCK_M, ...) and columns [j*BLOCK_N, ...) over K range
     [s*k_per_split, (s+1)*k_per_split). The parts of a tile meet in a float32 buffer [splits, M, N]; the
     last program to arrive adds them in order."""
     pid_n = tl.program_id(0)
@@ -105,11 +101,6 @@ def _skinny_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr,
         inside = offs_k < K - k
         a = tl.load(a_ptrs + k) if EVEN_K else tl.load(a_ptrs + k, mask=inside[None, :], other=0.0)
         b = tl.load(b_ptrs + k) if EVEN_K else tl.load(b_ptrs + k, mask=inside[:, None], other=0.0)
-        if GATED:
-            # a row of x is SwiGLU's [gate | up]: the input is silu(gate) * up, rounded as silu_and_mul rounds
-            up = tl.load(a_ptrs + K + k) if EVEN_K else tl.load(a_ptrs + K + k, mask=inside[None, :], other=0.0)
-            gate = a.to(tl.float32)
-            a = ((gate * tl.sigmoid(gate)).to(a.dtype).to(tl.float32) * up.to(tl.float32)).to(a.dtype)
         if SCALES == 0:
             acc = tl.dot(a, b, acc)
         else:
@@ -144,18 +135,16 @@ def _skinny_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr,
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def skinny_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
+def skinny_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
                 a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None, block_scaled: bool = False,
                 out_dtype: torch.dtype | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T (+ bias [N]) -> [M, N] in out_dtype (default a's), float32 accumulation, for M
-    within CONFIGS' buckets. `gated`: a is SwiGLU's [M, 2K] gate and up halves, and the product's input is
-    silu(gate) * up (computed as the weights stream: no launch of its own). FP8 operands come with their
-    scales: per row of a and of b ([M], [N]), or with block_scaled per row and 128 columns of a
+    within CONFIGS' buckets. FP8 operands come with their scales: per row of a and of b ([M], [N]), or with block_scaled per row and 128 columns of a
     ([M, ceil(K/128)]) and per 128x128 block of b. `config` overrides the tiles chosen for M."""
-    num_rows, width = a.shape[0], a.shape[1] // (2 if gated else 1)
+    num_rows, width = a.shape
     num_cols = b.shape[0]
     scales = NO_SCALES if a_scale is None else (BLOCK_SCALES if block_scaled else CHANNEL_SCALES)
-    assert (a_scale is None) == (b_scale is None) and b.shape[1] == width and not (gated and scales)
+    assert (a_scale is None) == (b_scale is None) and b.shape[1] == width
     assert a.stride(1) == 1 and b.stride(1) == 1
     config = config or choose_config(num_rows)
     assert config is not None and (scales != BLOCK_SCALES or config.block_k == 128)
@@ -173,7 +162,7 @@ def skinny_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         a, a if a_scale is None else a_scale, b, b if b_scale is None else b_scale, b if bias is None else bias,
         out, partial, counters, num_rows, num_cols, width, steps * config.block_k,
         a.stride(0), a_scale.stride(0) if scales == BLOCK_SCALES else 0, b.stride(0), out.stride(0),
-        b_scale.stride(0) if scales == BLOCK_SCALES else 0, SCALES=scales, HAS_BIAS=bias is not None, GATED=gated,
+        b_scale.stride(0) if scales == BLOCK_SCALES else 0, SCALES=scales, HAS_BIAS=bias is not None,
         EVEN_K=width % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

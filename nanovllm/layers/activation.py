@@ -10,14 +10,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :I]) * x[..., I:]: one Triton kernel on a GPU."""
-    return pointwise.silu_and_mul(x) if x.is_cuda else silu_and_mul(x)
-
-
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: the merged gate_up projection's first half, SiLU'd, times its second half (one
     Triton kernel on a GPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x)
+        return pointwise.silu_and_mul(x) if x.is_cuda else silu_and_mul(x)

@@ -48,4 +48,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits_of(self, x: torch.Tensor) -> torch.Tensor | None:
         """Logits of every row of x (prompt log-probs want positions that sample nothing)."""
-        return self.tp.gather_to_first(dense_linear(x, self.weight, None, skinny_gemm.LM_HEAD_CONFIGS))
+        return self.tp.gather_to_first(dense_linear(x, self.weight, None, skinny_gemm.CONFIGS))

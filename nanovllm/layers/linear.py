@@ -13,26 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import skinny_gemm
-from nanovllm.layers.activation import swiglu
 from nanovllm.layers.quantization import (create_fp8_weights, current_quantization, fp8_linear,
                                           quantize_after_loading)
 from nanovllm.utils.parallel import current_group
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 skinny_configs: tuple | None = None, gated: bool = False) -> torch.Tensor:
-    """x @ weight^T + bias; `gated`: x holds SwiGLU's [gate | up] halves and the product's input is
-    silu(gate) * up. On a GPU, where `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has tiles for
-    x's rows, the split-K skinny GEMM runs it, the gate computed in its loads; elsewhere cuBLAS, after a
-    SiLU-and-mul kernel if gated."""
+                 skinny_configs: tuple | None = None) -> torch.Tensor:
+    """x @ weight^T + bias: on a GPU, where `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has
+    tiles for x's rows, through the split-K skinny GEMM; elsewhere cuBLAS."""
     num_rows = x.numel() // x.shape[-1]
     config = None
     if skinny_configs and x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1:
         config = skinny_gemm.choose_config(num_rows, skinny_configs)
     if config is not None:
-        out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, gated=gated, config=config)
+        out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, config=config)
         return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(swiglu(x) if gated else x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -82,7 +79,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is not None:
             return fp8_linear(self, x, self.bias)
-        return dense_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every checkpoint tensor is in: online FP8 quantization happens here."""
@@ -141,13 +138,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """`gated_input`: the layer's input arrives as SwiGLU's [gate | up] halves (the down projection) and is
-    silu(gate) * up; a decode step computes that inside the skinny GEMM's loads, a launch fewer a layer."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gated_input: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp = current_group()
         super().__init__(_divide(input_size, tp.size), output_size, bias, tp_dim=1)
-        self.gated_input = gated_input
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.data.dim() == 1:   # the bias (added once, on rank 0's partial sum) or per-channel FP8 scales
@@ -159,14 +153,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        if self.quantization is not None:
-            y = fp8_linear(self, swiglu(x) if self.gated_input else x, bias)
-        else:
-            y = dense_linear(x, self.weight, bias, skinny_gemm.CONFIGS if self.gated_input else None, self.gated_input)
+        y = F.linear(x, self.weight, bias) if self.quantization is None else fp8_linear(self, x, bias)
         return self.tp.all_reduce(y)
 
 
 def dense_warmup_token_counts() -> tuple[int, ...]:
-    """Row counts that reach each skinny GEMM variant (the LM head's, a gated down projection's): the engine's
-    warm-up runs each once."""
+    """Row counts that reach each skinny GEMM variant (the LM head's): the engine's warm-up runs each once."""
     return skinny_gemm.config_token_counts()

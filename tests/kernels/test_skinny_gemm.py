@@ -18,22 +18,15 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return F.linear(x.float(), w.float(), None if bias is None else bias.float())
 
 
-TABLES = {"gated": skinny_gemm.CONFIGS, "lm_head": skinny_gemm.LM_HEAD_CONFIGS}
+TABLES = {"lm_head": skinny_gemm.CONFIGS}
 BUCKETS = [(name, first) for name, table in TABLES.items() for first, _ in table]
-
-
-def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, rounded to x's dtype after the SiLU and after the product (as silu_and_mul)."""
-    gate, up = x.float().chunk(2, -1)
-    return (F.silu(gate).to(x.dtype).float() * up).to(x.dtype)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole-k", "split-k"])
 @pytest.mark.parametrize("table, first", BUCKETS)
 def test_each_config_matches_a_float32_matmul(table, first, split):
     """The first and last M of each bucket, ragged N and K (masked tails), K whole or split (parts added by
-    the last program to arrive), with and without a bias, and with the input gated (SwiGLU's silu(gate) * up
-    computed in the loads): float32 accumulation, one rounding at the end."""
+    the last program to arrive), with and without a bias: float32 accumulation, one rounding at the end."""
     configs = TABLES[table]
     config = replace(skinny_gemm.choose_config(first, configs), programs_per_sm=64 if split else 0)
     n, k = 2 * config.block_n + 5, 8 * config.block_k + 76
@@ -51,9 +44,6 @@ def test_each_config_matches_a_float32_matmul(table, first, split):
             out = skinny_gemm.skinny_gemm(x, w, b, config=config)         # rounded once, to x's dtype
             assert out.dtype == DTYPE
             torch.testing.assert_close(out.float(), reference(x, w, b), rtol=8e-3, atol=1e-3)
-        gate_up = torch.randn(m, 2 * k, generator=gen).to(DEVICE, DTYPE)
-        out = skinny_gemm.skinny_gemm(gate_up, w, bias, gated=True, out_dtype=torch.float32, config=config)
-        torch.testing.assert_close(out, reference(swiglu_reference(gate_up), w, bias), rtol=1e-5, atol=1e-4)
     assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()       # every tile's counter reset
 
 
@@ -111,16 +101,3 @@ def test_full_size_on_the_gpu(m, n, k):
         graph.replay()
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 16])
-def test_the_gate_in_the_loads_is_the_silu_and_mul_kernel_bitwise(m):
-    """The down projection's fused gate gives bitwise what the separate SiLU-and-mul kernel, then the same
-    tiles, give (Qwen3-8B's down projection)."""
-    from nanovllm.kernels.pointwise import silu_and_mul
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    w = torch.randn(4096, 12288, generator=gen, device="cuda").bfloat16() * 0.02
-    gate_up = torch.randn(m, 2 * 12288, generator=gen, device="cuda").bfloat16()
-    config = skinny_gemm.choose_config(m)
-    fused = skinny_gemm.skinny_gemm(gate_up, w, gated=True, config=config)
-    assert torch.equal(fused, skinny_gemm.skinny_gemm(silu_and_mul(gate_up), w, config=config))
