@@ -128,19 +128,22 @@ class ModelRunner:
         seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         budget = seq_len * max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         self._warm_prefill(budget)
-        # each MoE, FP8 and skinny GEMM kernel variant a batch can reach, and prefill attention's tiles for short
+        # each MoE and FP8 GEMM kernel variant a batch can reach, and prefill attention's tiles for short
         # key ranges (the budget's prompts may be long enough for its other tiles)
-        extra = (set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model))
-                 | set(dense_warmup_token_counts()) | {SHORT_KEYS})
+        extra = set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model)) | {SHORT_KEYS}
         for num_tokens in sorted(extra):
             if num_tokens < budget:
                 self._warm_prefill(num_tokens)
+        # the LM head's skinny GEMM sees one row per sequence: batches of that many one-token prompts
+        for num_seqs in dense_warmup_token_counts():
+            if num_seqs <= min(budget, self.config.max_num_seqs):
+                self._warm_prefill(num_seqs, longest=1)
         torch.cuda.empty_cache()
 
-    def _warm_prefill(self, num_tokens: int) -> None:
-        """A prefill of num_tokens tokens in all, as sequences of at most max_model_len tokens (the budget's:
-        as many sequences of seq_len as fit, or one shorter one)."""
-        longest = self.config.max_model_len
+    def _warm_prefill(self, num_tokens: int, longest: int | None = None) -> None:
+        """A prefill of num_tokens tokens in all, as sequences of at most `longest` (default max_model_len)
+        tokens (the budget's: as many sequences of seq_len as fit, or one shorter one)."""
+        longest = longest or self.config.max_model_len
         seqs = []
         while num_tokens > 0:
             length = min(num_tokens, longest)
