@@ -30,7 +30,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
-from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
+from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _default_config, _sm_count
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.sampling import sample as triton_sample
 from bench import measure_bandwidth    # the copy bandwidth bench.py's floor uses
@@ -59,21 +59,25 @@ def decode_inputs(batch, ctx, cache_dtype=DTYPE):
 def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
     q, k, v, seqlens, table = decode_inputs(batch, ctx, cache_dtype)
     kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
-    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
+    per_sm = _default_config(HEAD_DIM, BLOCK_SIZE, q.device, cache_dtype)["programs_per_sm"]
+    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device), programs_per_sm=per_sm)
     if sweep:
-        # (splits, block_n, warps, stages, use_tma, fp16_dots); None: the default
-        configs = [(None, bn, w, st, tma, None) for bn, w, st, tma in
-                   [(None, None, None, False), (128, 4, 3, True), (128, 2, 3, False), (128, 2, 4, False),
-                    (64, 2, 4, False), (64, 2, 6, False), (256, 2, 2, False), (64, 4, 6, False), (128, 4, 5, False)]]
-        configs += [(s, None, None, None, False, None) for s in (1, 2, 4, 8, 16) if s != splits and s * 128 <= ctx]
-        for s, bn, w, st, tma, fp16 in configs:
+        # (splits, block_n, warps, stages, use_tma); None: the default
+        configs = [(None, bn, w, st, tma) for bn, w, st, tma in
+                   [(None, None, None, False), (128, 4, 3, True), (128, 4, 2, False), (128, 4, 3, False),
+                    (128, 2, 4, False), (64, 2, 4, False), (64, 1, 3, False), (32, 1, 3, False), (32, 1, 4, False),
+                    (32, 2, 4, False), (16, 1, 4, False), (256, 2, 2, False)]]
+        configs += [(s, None, None, None, False) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 128 <= ctx]
+        expected = decode_attention(q, k, v, seqlens, table).float()
+        for s, bn, w, st, tma in configs:
             fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w,
-                                          num_stages=st, fp16_dots=fp16, use_tma=tma)
+                                          num_stages=st, use_tma=tma)
             try:
+                diff = (fn().float() - expected).abs().max().item()
                 t = ms(fn, graph=True)
                 print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx={ctx} splits={s or splits} block_n={bn} warps={w} "
-                      f"stages={st} tma={tma}{' bf16 dots' if fp16 is False else ''}: {t * 1e3:8.1f} us  "
-                      f"{kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s", flush=True)
+                      f"stages={st} tma={tma}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s  "
+                      f"max|diff| {diff:.1e}", flush=True)
             except Exception as e:                       # noqa: BLE001 - report and go on
                 print(f"  sweep decode {s, bn, w, st, tma} failed: {type(e).__name__}: {str(e)[:120]}")
     fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
