@@ -30,7 +30,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
-from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _default_config, _sm_count
+from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.sampling import sample as triton_sample
 from bench import measure_bandwidth    # the copy bandwidth bench.py's floor uses
@@ -45,29 +45,49 @@ def ms(fn, graph=False):
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def decode_inputs(batch, ctx, cache_dtype=DTYPE):
-    blocks_per_seq = ctx // BLOCK_SIZE
-    num_blocks = batch * blocks_per_seq
+def decode_shapes(sweep: bool):
+    """(name, context lengths, block-table width in pages, pages scattered at random): the goal shapes,
+    and with --sweep two more drawn like bench.py's workloads (max_model_len 16,384: 64 pages a row; pages
+    handed out in order, as a fresh engine does), longest first as the engine orders a decode batch."""
+    shapes = [("batch 256 x ctx 1024", [1024] * 256, 4, True), ("batch 8 x ctx 8192", [8192] * 8, 32, True)]
+    if sweep:
+        g = torch.Generator().manual_seed(0)
+        standard = sorted(torch.randint(100, 2049, (256,), generator=g).tolist(), reverse=True)
+        shapes += [("standard-like 256 x U[100, 2048]", standard, 64, False),
+                   ("long-context-like 16 x 12,256", [12256] * 16, 64, False)]
+    return shapes
+
+
+def decode_inputs(lens, width, scatter, cache_dtype=DTYPE):
+    """A paged cache holding each sequence's pages, in order or scattered at random."""
+    batch = len(lens)
+    pages = [triton.cdiv(n, BLOCK_SIZE) for n in lens]
+    num_blocks = sum(pages)
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE).to(cache_dtype)
     v_cache = torch.randn(k_cache.shape, device="cuda", dtype=DTYPE).to(cache_dtype)
-    table = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
+    order = torch.randperm(num_blocks) if scatter else torch.arange(num_blocks)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = order[start:start + n]
+        start += n
     q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    return q, k_cache, v_cache, seqlens, table
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, seqlens, table.cuda()
 
 
-def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
-    q, k, v, seqlens, table = decode_inputs(batch, ctx, cache_dtype)
-    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
-    per_sm = _default_config(HEAD_DIM, BLOCK_SIZE, q.device, cache_dtype)["programs_per_sm"]
-    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device), programs_per_sm=per_sm)
+def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
+    q, k, v, seqlens, table = decode_inputs(lens, width, scatter, cache_dtype)
+    batch, ctx = len(lens), max(lens)
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * k.element_size()
+    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
     if sweep:
         # (splits, block_n, warps, stages, use_tma); None: the default
-        configs = [(None, bn, w, st, tma) for bn, w, st, tma in
-                   [(None, None, None, False), (128, 4, 3, True), (128, 4, 2, False), (128, 4, 3, False),
-                    (128, 2, 4, False), (64, 2, 4, False), (64, 1, 3, False), (32, 1, 3, False), (32, 1, 4, False),
-                    (32, 2, 4, False), (16, 1, 4, False), (256, 2, 2, False)]]
-        configs += [(s, None, None, None, False) for s in (1, 2, 4, 8, 16, 32) if s != splits and s * 128 <= ctx]
+        configs = [(None, None, None, None, False), (None, 128, 4, 3, True)]
+        split_counts = [1, 2] if batch >= 64 else [4, 5, 8, 9, 16, 17, 32]
+        configs += [(sp, bn, w, st, False) for bn, w, st in
+                    [(128, 4, 2), (128, 4, 3), (64, 2, 4), (64, 1, 3), (32, 1, 3), (32, 2, 3), (16, 1, 4)]
+                    for sp in split_counts if sp * bn <= ctx]
         expected = decode_attention(q, k, v, seqlens, table).float()
         for s, bn, w, st, tma in configs:
             fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w,
@@ -75,7 +95,7 @@ def bench_decode(batch, ctx, sweep, cache_dtype=DTYPE):
             try:
                 diff = (fn().float() - expected).abs().max().item()
                 t = ms(fn, graph=True)
-                print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx={ctx} splits={s or splits} block_n={bn} warps={w} "
+                print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx<={ctx} splits={s or splits} block_n={bn} warps={w} "
                       f"stages={st} tma={tma}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s  "
                       f"max|diff| {diff:.1e}", flush=True)
             except Exception as e:                       # noqa: BLE001 - report and go on
@@ -296,8 +316,8 @@ def main():
     copy_bw = measure_bandwidth(torch.device("cuda"))
     cache_dtypes = {"decode-bf16": [DTYPE], "decode-fp8": [torch.float8_e4m3fn], "prefill": [],
                     None: [DTYPE, torch.float8_e4m3fn]}
-    decode = [(dt, b, c, *bench_decode(b, c, args.sweep, dt)) for dt in cache_dtypes[args.only]
-              for b, c in [(256, 1024), (8, 8192)]]
+    decode = [(dt, name, *bench_decode(lens, width, scatter, args.sweep, dt)) for dt in cache_dtypes[args.only]
+              for name, lens, width, scatter in decode_shapes(args.sweep)]
     prefill = bench_prefill(args.sweep) if args.only in (None, "prefill") else None
     sampling = bench_sampling() if args.only is None else []
 
@@ -306,9 +326,9 @@ def main():
     print("| decode (16q/8kv heads, D=128, bf16 q, block 256) | cache | splits | KV bytes | time (graph) | GB/s | "
           "% of copy | time (eager) |")
     print("|---|---|---|---|---|---|---|---|")
-    for dt, b, c, nbytes, splits, tg, te in decode:
+    for dt, name, nbytes, splits, tg, te in decode:
         bw = nbytes / (tg * 1e-3)
-        print(f"| batch {b} x ctx {c} | {str(dt).removeprefix('torch.')} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
+        print(f"| {name} | {str(dt).removeprefix('torch.')} | {splits} | {nbytes / 1e6:.0f} MB | {tg * 1e3:.1f} us | {bw / 1e9:.0f} | "
               f"{100 * bw / copy_bw:.0f}% | {te * 1e3:.1f} us |")
     if prefill is None:
         return

@@ -139,26 +139,26 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
-                      min_tokens_per_split: int = 256, max_splits: int = 64, programs_per_sm: int = 4) -> int:
-    """Enough (sequence, kv head, split) programs for ~programs_per_sm per SM, each with >=
-    min_tokens_per_split keys."""
+                      min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+    """Enough (sequence, kv head, split) programs for ~4 per SM, each with >= min_tokens_per_split keys."""
     programs = batch * num_kv_heads
-    want = triton.cdiv(programs_per_sm * num_sms, programs)
+    want = triton.cdiv(4 * num_sms, programs)
     useful = max(1, max_context // min_tokens_per_split)
     return max(1, min(want, useful, max_splits))
 
 
 def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype: torch.dtype) -> dict:
     if device.type != "cuda":
-        return dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=4)
+        return dict(block_n=16, num_warps=4, num_stages=1)
     if head_dim > 128:
-        return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
+        return dict(block_n=64, num_warps=4, num_stages=2)
     if cache_dtype == torch.float8_e4m3fn:
-        # H100: one-warp programs on 32-key tiles, twice as many a SM, hide the widening's latency best:
-        # 256 x 1,024 206 -> 195 us, 8 x 8,192 57.7 -> 53.9 us (against 128 keys and 4 warps)
-        return dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=8)
+        # H100: 3 stages 2-3% faster than 2; 256-key tiles 5-10% slower. One-warp programs on 32-key tiles
+        # read equal-length batches 6-7% faster, but a long sequence's program then runs as long as the
+        # whole kernel: 17% slower on bench.py's spread of lengths (docs/benchmarks.md)
+        return dict(block_n=128, num_warps=4, num_stages=3)
     # H100, Qwen3-0.6B shape: 128/2 read ~3% (B=256 x 1024) to ~6% (B=8 x 8192) faster than 64/3
-    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    return dict(block_n=128, num_warps=4, num_stages=2)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
@@ -182,8 +182,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_table.shape[1] * page, _sm_count(q.device),
-                                       programs_per_sm=cfg["programs_per_sm"])
+        num_splits = choose_num_splits(batch, num_kv_heads, block_table.shape[1] * page, _sm_count(q.device))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     out = torch.empty_like(q)
