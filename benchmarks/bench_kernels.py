@@ -82,24 +82,25 @@ def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
     kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * k.element_size()
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
     if sweep:
-        # (splits, block_n, warps, stages, use_tma); None: the default
-        configs = [(None, None, None, None, False), (None, 128, 4, 3, True)]
-        split_counts = [1, 2] if batch >= 64 else [4, 5, 8, 9, 16, 17, 32]
-        configs += [(sp, bn, w, st, False) for bn, w, st in
-                    [(128, 4, 2), (128, 4, 3), (64, 2, 4), (64, 1, 3), (32, 1, 3), (32, 2, 3), (16, 1, 4)]
-                    for sp in split_counts if sp * bn <= ctx]
+        # decode_attention's keyword arguments; {}: the defaults
+        tiles = [dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=4, num_stages=3),
+                 dict(block_n=64, num_warps=2, num_stages=4), dict(block_n=64, num_warps=1, num_stages=3),
+                 dict(block_n=32, num_warps=1, num_stages=3)]
+        configs = [{}, dict(use_tma=True)] + [
+            dict(tile, programs_per_sm=per_sm, longest_chunks=longest)
+            for tile in tiles for per_sm in (4, 16, 32) for longest in (False, True)]
         expected = decode_attention(q, k, v, seqlens, table).float()
-        for s, bn, w, st, tma in configs:
-            fn = lambda: decode_attention(q, k, v, seqlens, table, num_splits=s, block_n=bn, num_warps=w,
-                                          num_stages=st, use_tma=tma)
+        for config in configs:
+            fn = lambda: decode_attention(q, k, v, seqlens, table, **config)
+            per_sm = config.get("programs_per_sm", 4)
+            used = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device), programs_per_sm=per_sm)
             try:
                 diff = (fn().float() - expected).abs().max().item()
                 t = ms(fn, graph=True)
-                print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx<={ctx} splits={s or splits} block_n={bn} warps={w} "
-                      f"stages={st} tma={tma}: {t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s  "
-                      f"max|diff| {diff:.1e}", flush=True)
+                print(f"  sweep decode {str(cache_dtype)[6:]} B={batch} ctx<={ctx} splits={used} {config or 'default'}: "
+                      f"{t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s  max|diff| {diff:.1e}", flush=True)
             except Exception as e:                       # noqa: BLE001 - report and go on
-                print(f"  sweep decode {s, bn, w, st, tma} failed: {type(e).__name__}: {str(e)[:120]}")
+                print(f"  sweep decode {config} failed: {type(e).__name__}: {str(e)[:120]}")
     fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
     t_graph = ms(fn, graph=True)
     t_eager = ms(fn)
