@@ -30,7 +30,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanovllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
-from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _sm_count
+from nanovllm.kernels.decode_attention import decode_attention, choose_num_splits, _default_config, _sm_count
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.sampling import sample as triton_sample
 from bench import measure_bandwidth    # the copy bandwidth bench.py's floor uses
@@ -80,20 +80,22 @@ def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
     q, k, v, seqlens, table = decode_inputs(lens, width, scatter, cache_dtype)
     batch, ctx = len(lens), max(lens)
     kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * k.element_size()
-    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device))
+    default = _default_config(HEAD_DIM, BLOCK_SIZE, q.device, cache_dtype, batch * KV_HEADS)
+    splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device),
+                               programs_per_sm=default["programs_per_sm"])
     if sweep:
         # decode_attention's keyword arguments; {}: the defaults
         tiles = [dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=4, num_stages=3),
                  dict(block_n=64, num_warps=2, num_stages=4), dict(block_n=64, num_warps=1, num_stages=3),
                  dict(block_n=32, num_warps=1, num_stages=3)]
-        configs = [{}, dict(use_tma=True)] + [
-            dict(tile, programs_per_sm=per_sm, longest_chunks=longest)
-            for tile in tiles for per_sm in (4, 16, 32) for longest in (False, True)]
+        configs = [{}, dict(use_tma=True)] + [dict(tile, programs_per_sm=per_sm) for tile in tiles for per_sm in (4, 8, 16)]
+        configs += [dict(num_splits=s) for s in (1, 2, 4, 5, 8, 9, 16, 17, 32) if s * 128 <= ctx and (s <= 2 or batch < 64)]
         expected = decode_attention(q, k, v, seqlens, table).float()
         for config in configs:
             fn = lambda: decode_attention(q, k, v, seqlens, table, **config)
-            per_sm = config.get("programs_per_sm", 4)
-            used = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device), programs_per_sm=per_sm)
+            used = config.get("num_splits") or choose_num_splits(
+                batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device),
+                programs_per_sm=config.get("programs_per_sm", default["programs_per_sm"]))
             try:
                 diff = (fn().float() - expected).abs().max().item()
                 t = ms(fn, graph=True)

@@ -51,25 +51,23 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-    num_heads, qk_scale, num_splits, batch,
+    num_heads, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, LONGEST_CHUNKS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seqlens_ptr + b)
-    cut = seq_len
-    if LONGEST_CHUNKS:
-        # chunks cut from the batch's longest context: no program holds more than 1/num_splits of it, a
-        # shorter sequence fills fewer chunks (the rest are empty), and no long sequence becomes the tail
-        for i in range(0, batch, 256):
-            offs = i + tl.arange(0, 256)
-            cut = tl.maximum(cut, tl.max(tl.load(seqlens_ptr + offs, mask=offs < batch, other=0)))
-    # chunk: whole tiles, so every tile but the sequence's last needs no mask
-    chunk = tl.cdiv(tl.cdiv(cut, num_splits), BLOCK_N) * BLOCK_N
+    # chunk: whole tiles, so every tile but the sequence's last needs no mask; whole pages once it spans
+    # one (H100, fp8, 16 x 12,256 in 9 chunks: 192 us at 5.4 pages a chunk, 146 at 6)
+    chunk = tl.cdiv(seq_len, num_splits)
+    if PAGE % BLOCK_N == 0:
+        chunk = tl.where(chunk >= PAGE, tl.cdiv(chunk, PAGE) * PAGE, tl.cdiv(chunk, BLOCK_N) * BLOCK_N)
+    else:
+        chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(seq_len, start + chunk)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
@@ -155,24 +153,29 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(want, useful, max_splits))
 
 
-def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype: torch.dtype) -> dict:
-    base = dict(programs_per_sm=4, longest_chunks=False)
+def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype: torch.dtype,
+                    programs: int = 0) -> dict:
+    """Tiles and split target for a batch of `programs` (sequence, kv head) pairs."""
     if device.type != "cuda":
-        return dict(base, block_n=16, num_warps=4, num_stages=1)
+        return dict(block_n=16, num_warps=4, num_stages=1, programs_per_sm=4)
     if head_dim > 128:
-        return dict(base, block_n=64, num_warps=4, num_stages=2)
+        return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
     if cache_dtype == torch.float8_e4m3fn:
-        # H100: 3 stages 2-3% faster than 2; 256-key tiles 5-10% slower. One-warp programs on 32-key tiles
-        # read equal-length batches 6-7% faster, but a long sequence's program then runs as long as the
-        # whole kernel: 17% slower on bench.py's spread of lengths (docs/benchmarks.md)
-        return dict(base, block_n=128, num_warps=4, num_stages=3)
+        if programs <= 2 * _sm_count(device):
+            # a small batch, split into many chunks: one-warp programs on 32-key tiles, ~16 an SM, hide
+            # the widening best (H100, 16 x 12,256: 168 -> 146 us; 8 x 8,192: 57.7 -> 54 us)
+            return dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=16)
+        # H100: 3 stages 2-3% faster than 2; 256-key tiles 5-10% slower. One-warp tiles also read a large
+        # batch of equal lengths faster, but with bench.py's spread of lengths a long sequence's program
+        # runs as long as the whole kernel: 13-17% slower (docs/benchmarks.md)
+        return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4)
     # H100, Qwen3-0.6B shape: 128/2 read ~3% (B=256 x 1024) to ~6% (B=8 x 8192) faster than 64/3
-    return dict(base, block_n=128, num_warps=4, num_stages=2)
+    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=4)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, fp16_dots=None,
-                     use_tma=False, longest_chunks=None, programs_per_sm=None):
+                     use_tma=False, programs_per_sm=None):
     """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics).
     use_tma: True or None read K/V through TMA descriptors (kv_tile.kv_descriptors). Off by default:
     on an H100 decode gains nothing from it (bf16 3,012 vs 3,003 GB/s at 256 x 1,024; an fp8 cache 2%
@@ -186,11 +189,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    cfg = _default_config(head_dim, page, q.device, k_cache.dtype)
+    cfg = _default_config(head_dim, page, q.device, k_cache.dtype, batch * num_kv_heads)
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
-    longest_chunks = cfg["longest_chunks"] if longest_chunks is None else longest_chunks
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_table.shape[1] * page, _sm_count(q.device),
                                        programs_per_sm=programs_per_sm or cfg["programs_per_sm"])
@@ -211,12 +213,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        num_heads, scale * _LOG2E, num_splits, batch,
+        num_heads, scale * _LOG2E, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
-        LONGEST_CHUNKS=longest_chunks,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

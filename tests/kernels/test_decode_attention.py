@@ -65,6 +65,16 @@ def test_block_sizes(block_size, block_n, use_tma):
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_chunks_of_whole_pages(num_splits):
+    """A chunk that spans a page is rounded up to whole pages (pages of 32, tiles of 16), so some
+    sequences leave their last splits empty (100 keys in 3 splits: 64 + 36 + nothing)."""
+    lens = [1, 33, 64, 95, 100, 200]
+    q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 32, torch.float32, DEVICE)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=16)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
 def test_fp16_scale_and_zero_length():
     """float16, an explicit softmax_scale, head_dim 96 padded, and an empty context giving zeros."""
     lens = [0, 40, 3]
