@@ -2,7 +2,7 @@
 
 Grid (batch, kv heads, splits). A program takes one sequence, one kv head and one contiguous
 chunk of that sequence's context (the context length, read on the device, is cut into
-`num_splits` chunks of whole key tiles). It computes all q heads that share the kv head at once:
+`num_splits` chunks of whole key tiles, or of whole pages once a chunk spans one). It computes all q heads that share the kv head at once:
 the group of q heads, padded to 16 rows, is one [GROUP_PAD, D] operand of tl.dot, so each K/V
 tile is read once for the whole group. An fp8 cache's tiles are widened as they are loaded (its
 scale is 1.0: nothing to multiply), to float16 for bf16 queries (kv_tile.wants_fp16_dots). With one
@@ -163,7 +163,7 @@ def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype:
     if cache_dtype == torch.float8_e4m3fn:
         if programs <= 2 * _sm_count(device):
             # a small batch, split into many chunks: one-warp programs on 32-key tiles, ~16 an SM, hide
-            # the widening best (H100, 16 x 12,256: 168 -> 146 us; 8 x 8,192: 57.7 -> 54 us)
+            # the widening best (H100: 16 x 12,256 168 -> 146 us; 8 x 8,192 57.8 -> 56.6 us)
             return dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=16)
         # H100: 3 stages 2-3% faster than 2; 256-key tiles 5-10% slower. One-warp tiles also read a large
         # batch of equal lengths faster, but with bench.py's spread of lengths a long sequence's program
