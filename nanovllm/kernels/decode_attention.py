@@ -2,18 +2,16 @@
 
 Grid (batch, kv heads, splits). A program takes one sequence, one kv head and one contiguous
 chunk of that sequence's context (the context length, read on the device, is cut into
-`num_splits` chunks of whole key tiles, or of whole pages once a chunk spans one). It computes all
-q heads that share the kv head at once: the group of q heads, padded to 16 rows, is one
-[GROUP_PAD, D] operand of tl.dot, so each K/V tile is read once for the whole group. An fp8 cache's tiles are widened as they are loaded (its
+`num_splits` chunks of whole key tiles, or of whole pages once a chunk spans one). It computes all q heads that share the kv head at once:
+the group of q heads, padded to 16 rows, is one [GROUP_PAD, D] operand of tl.dot, so each K/V
+tile is read once for the whole group. An fp8 cache's tiles are widened as they are loaded (its
 scale is 1.0: nothing to multiply), to float16 for bf16 queries (kv_tile.wants_fp16_dots). With one
 split the program writes the output directly; otherwise it writes its partial (max, sum, unnormalized
-acc), and the last program of the (sequence, kv head) to finish, counted by an atomic arrival counter,
-combines them in split order (no second launch; the result does not depend on which program is last).
+acc) and a reduce kernel combines them.
 
 Everything is fixed by tensor shapes (grid, split count, scratch sizes): no host sync, so a call
 can be captured in a CUDA graph.
 """
-import functools
 import math
 
 import torch
@@ -23,7 +21,6 @@ import triton.language as tl
 from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 64          # choose_num_splits' cap; the combine loads all of one head's maxima at once
 
 
 @triton.jit
@@ -51,13 +48,13 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
     num_heads, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,47 +109,26 @@ def _decode_kernel(
         tl.store(part_m_ptr + row, m_i, mask=g_ok)
         tl.store(part_l_ptr + row, l_i, mask=g_ok)
         tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_ok[:, None])
-        # the last of the (sequence, kv head)'s programs to arrive combines the group's partials: no
-        # second kernel launch, and the same bits whichever program it is (splits are added in order)
-        counter = counter_ptr + b * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")     # releases the partials stored above
-        if arrived == num_splits - 1:
-            for g in tl.static_range(GROUP):
-                _combine_splits(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, kv_head * GROUP + g,
-                                stride_ob, stride_oh, num_heads, num_splits, HEAD_DIM, D_PAD, MAX_SPLITS)
-            tl.store(counter, 0)        # ready for the next call (and graph replay)
 
 
 @triton.jit
-def _combine_splits(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, head, stride_ob, stride_oh, num_heads,
-                    num_splits, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """One head's output from its num_splits partials (max, sum, unnormalized acc), 16 splits at a time in
-    split order. Loads bypass L1: other programs wrote the partials."""
-    base = (b.to(tl.int64) * num_heads + head) * num_splits
-    offs_s = tl.arange(0, MAX_SPLITS)
-    m = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=-1.0e30, cache_modifier=".cg")
-    l = tl.load(part_l_ptr + base + offs_s, mask=offs_s < num_splits, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 0)                        # an empty split has m = -1e30, l = 0
-    l_sum = tl.sum(tl.exp2(m - m_max) * l, 0)
-    offs_c = tl.arange(0, 16)
+def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads, num_splits,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    out = tl.zeros([D_PAD], dtype=tl.float32)
-    for first in range(0, num_splits, 16):
-        rows = first + offs_c
-        ok = rows < num_splits
-        m_c = tl.load(part_m_ptr + base + rows, mask=ok, other=-1.0e30, cache_modifier=".cg")
-        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None], other=0.0,
-                      cache_modifier=".cg")
-        out += tl.sum(tl.exp2(m_c - m_max)[:, None] * acc, 0)
-    out = out / tl.where(l_sum > 0.0, l_sum, 1.0)
+    s_ok = offs_s < num_splits
+    row = (b.to(tl.int64) * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_ok, other=-1.0e30)   # empty split: m = -1e30, l = 0
+    l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
     o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
-@functools.lru_cache(maxsize=None)
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """One counter per (sequence, kv head), zero between calls (the last program of each resets its own)."""
-    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
 
 
 _SM_COUNT: dict = {}
@@ -168,7 +144,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
-                      min_tokens_per_split: int = 256, max_splits: int = _MAX_SPLITS, programs_per_sm: int = 4) -> int:
+                      min_tokens_per_split: int = 256, max_splits: int = 64, programs_per_sm: int = 4) -> int:
     """Enough (sequence, kv head, split) programs for ~programs_per_sm per SM, each with >=
     min_tokens_per_split keys."""
     programs = batch * num_kv_heads
@@ -225,9 +201,6 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    assert num_splits <= _MAX_SPLITS, f"at most {_MAX_SPLITS} splits"
-    counters = _arrival_counters(q.device)
-    assert batch * num_kv_heads <= counters.numel()
     if num_splits > 1:
         part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -236,7 +209,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         part_m = part_l = part_acc = out      # never touched
     descs = kv_descriptors(k_cache, v_cache, True, block_n, use_tma)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table, part_m, part_l, part_acc, counters,
+        q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table, part_m, part_l, part_acc,
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
@@ -245,9 +218,13 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
-        MAX_SPLITS=_MAX_SPLITS,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if num_splits > 1:
+        _reduce_kernel[(batch, num_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
     return out
 
 

@@ -75,20 +75,6 @@ def test_chunks_of_whole_pages(num_splits):
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
-def test_split_partials_combined_by_the_last_program():
-    """With splits, the last program of each (sequence, kv head) combines the partials and resets its
-    arrival counter: a second call gives the same bits, and every counter is zero after each call."""
-    from nanovllm.kernels.decode_attention import _arrival_counters
-    lens = [1, 40, 130, 200]
-    q, k, v, seqlens, table = _setup(lens, 6, 2, 64, 16, torch.float32, DEVICE)
-    first = decode_attention(q, k, v, seqlens, table, num_splits=5, block_n=16)
-    assert not _arrival_counters(q.device).any()
-    again = decode_attention(q, k, v, seqlens, table, num_splits=5, block_n=16)
-    assert not _arrival_counters(q.device).any()
-    assert torch.equal(first, again)
-    _check(first, _ref(q, k, v, seqlens, table), 1e-5)
-
-
 def test_fp16_scale_and_zero_length():
     """float16, an explicit softmax_scale, head_dim 96 padded, and an empty context giving zeros."""
     lens = [0, 40, 3]
