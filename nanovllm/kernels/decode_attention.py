@@ -2,12 +2,13 @@
 
 Grid (batch, kv heads, splits). A program takes one sequence, one kv head and one contiguous
 chunk of that sequence's context (the context length, read on the device, is cut into
-`num_splits` chunks of whole key tiles, or of whole pages once a chunk spans one). It computes all q heads that share the kv head at once:
-the group of q heads, padded to 16 rows, is one [GROUP_PAD, D] operand of tl.dot, so each K/V
-tile is read once for the whole group. An fp8 cache's tiles are widened as they are loaded (its
-scale is 1.0: nothing to multiply), to float16 for bf16 queries (kv_tile.wants_fp16_dots). With one
-split the program writes the output directly; otherwise it writes its partial (max, sum, unnormalized
-acc) and a reduce kernel combines them.
+`num_splits` chunks of whole key tiles, or of whole pages once a chunk spans one). It computes all
+q heads that share the kv head at once: the group of q heads, padded to 16 rows, is one
+[GROUP_PAD, D] operand of tl.dot, so each K/V tile is read once for the whole group. An fp8
+cache's tiles are widened as they are loaded (its scale is 1.0: nothing to multiply), to float16
+for bf16 queries (kv_tile.wants_fp16_dots). With one split the program writes the output
+directly; otherwise it writes its partial (max, sum, unnormalized acc) and a reduce kernel
+combines them.
 
 Everything is fixed by tensor shapes (grid, split count, scratch sizes): no host sync, so a call
 can be captured in a CUDA graph.

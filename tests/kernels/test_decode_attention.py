@@ -104,6 +104,8 @@ def test_choose_num_splits():
     assert choose_num_splits(8, 8, 8192, 132) > 4
     assert choose_num_splits(1, 1, 100, 132) == 1           # too short to split
     assert choose_num_splits(1, 1, 1 << 20, 132) == 64      # capped
+    # small fp8 batches run one-warp programs and want ~16 an SM: 16 x 8 kv heads -> 17 chunks
+    assert choose_num_splits(16, 8, 16384, 132, programs_per_sm=16) == 17
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
