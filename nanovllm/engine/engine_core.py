@@ -35,6 +35,7 @@ class EngineCore:
         self.num_unfinished: dict[str, int] = {}   # completions still running, per request
         self.num_sent: dict[int, int] = {}         # completion tokens sent, per sequence
         self._stats_sent = float("-inf")            # when the figures last went out
+        self.done_seq_ids: set[int] = set()
 
     def info(self) -> dict:
         config, block_manager = self.engine.config, self.engine.scheduler.block_manager
@@ -99,8 +100,8 @@ class EngineCore:
         of a prompt's chunk, which samples nothing)."""
         deltas = []
         for seq in seqs:
-            if seq is None:
-                continue
+            if seq is None or seq.seq_id in self.done_seq_ids:
+                continue        # a chunk's row, or a completion that ended a step ago (eos is found one step late)
             request_id = self.request_ids.get(seq.parent_id)
             if request_id is None:
                 continue
@@ -117,6 +118,7 @@ class EngineCore:
                            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
                            prompt_logprobs))
             if finished:
+                self.done_seq_ids.add(seq.seq_id)
                 self.num_sent.pop(seq.seq_id, None)
                 self.num_unfinished[request_id] -= 1
                 if not self.num_unfinished[request_id]:
