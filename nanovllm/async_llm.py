@@ -6,7 +6,8 @@ callers); each request's outputs stream as they are computed.
         for delta in out.deltas: print(delta.text, end="")
 
 The engine steps in a process of its own (engine/engine_core.py); this process keeps the tokenizer,
-turns token ids into text, and wakes each caller. A caller that reads slower than the engine computes
+turns token ids into text and finds stop strings (engine/output_processor.py, as LLM.generate does), and
+wakes each caller. A caller that reads slower than the engine computes
 gets several steps' tokens in one output: the engine never waits for it.
 """
 import asyncio
@@ -14,67 +15,40 @@ import itertools
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.chat_template import default_sampling_params, render_chat
 from nanovllm.engine.engine_core import run_engine_core
+from nanovllm.engine.messages import (AbortRequest, AddRequest, CompletionUpdate, Fatal, FinishCompletion, Ready,
+                                      Refused, Shutdown, Stats, StepOutputs, refusal)
+from nanovllm.engine.output_processor import CompletionDelta, OutputProcessor, RequestOutput
 from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.tensor_parallel import refuse_in_spawn_bootstrap
-from nanovllm.llm import default_sampling_params, render_chat
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.histogram import Histogram
 
+__all__ = ["AsyncLLM", "CompletionDelta", "EngineDeadError", "RequestOutput"]
+
 START_TIMEOUT = 1800.0      # seconds for the engine to load and warm up (a large checkpoint, a cold cache)
-EXCEPTIONS = {cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError)}
 
 
-@dataclass
-class CompletionDelta:
-    """What one of a request's n completions gained since the request's last output."""
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None        # "stop" | "length" once finished
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    deltas: list[CompletionDelta]
-    finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # with the first output that has them
-    output: dict | None = None      # once finished: what LLM.generate returns for this request
-
-
-@dataclass
-class _Completion:
-    """One completion as this process knows it: its tokens so far and its text."""
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    num_detokenized: int = 0        # tokens given to the detokenizer
-    num_text_sent: int = 0          # characters of its text already in a delta
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class EngineDeadError(RuntimeError):
+    """The engine process died (or failed): every request in flight, and every later one, gets this."""
 
 
 class _Request:
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, arrival: float):
-        self.prompt_token_ids, self.params, self.arrival = prompt_token_ids, params, arrival
-        self.arrivals: list = []            # engine deltas not yet turned into an output
+    """A request as this process waits for it: when its caller should wake, and its timings."""
+
+    def __init__(self, params: SamplingParams, arrival: float):
+        self.params, self.arrival = params, arrival
         self.ready = asyncio.Event()
         self.error: BaseException | None = None
         self.aborted = False
-        self.prompt_logprobs: list | None = None
         self.last_token_time: float | None = None
-        self.num_finished = 0
+        self.counted_finished = False
 
 
 class AsyncLLM:
@@ -97,14 +71,16 @@ class AsyncLLM:
         except BaseException:
             self._stop_process()
             raise
-        self.model: str = info["model"]
-        self.max_model_len: int = info["max_model_len"]
-        self.limits = RequestLimits(info["vocab_size"], info["max_model_len"], info["kvcache_block_size"],
-                                    info["num_kvcache_blocks"])
+        self.model: str = info.model
+        self.max_model_len: int = info.max_model_len
+        self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.kvcache_block_size,
+                                    info.num_kvcache_blocks)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        self.processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead: str | None = None       # why the engine is gone, once it is
+        self.dead_reason: str | None = None     # why the engine is gone, once it is
+        self._dead_callbacks: list[Callable[[str], None]] = []
         self._request_counter = itertools.count()
         self._stats: dict = {"num_running": 0, "num_waiting": 0, "num_used_blocks": 0,
                              "num_kvcache_blocks": self.limits.num_blocks, "prefix_cache_hit_rate": 0.0,
@@ -117,7 +93,7 @@ class AsyncLLM:
         self._reader.start()
 
     # ---- the engine process ----------------------------------------------------------------------------
-    def _wait_ready(self) -> dict:
+    def _wait_ready(self):
         deadline = time.monotonic() + START_TIMEOUT
         while not self._conn.poll(0.1):
             if not self._process.is_alive():
@@ -125,14 +101,13 @@ class AsyncLLM:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine did not start within {START_TIMEOUT:.0f} s")
         message = self._conn.recv()
-        if message[0] == "ready":
-            return message[1]
-        _, name, text = message
-        raise EXCEPTIONS.get(name, RuntimeError)(text)
+        if isinstance(message, Ready):
+            return message.info
+        raise refusal(message.kind, message.message)
 
-    def _send(self, message: tuple) -> None:
-        if self._dead is not None:
-            raise RuntimeError(f"the engine has stopped: {self._dead}")
+    def _send(self, message) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
         with self._send_lock:
             self._conn.send(message)
 
@@ -141,17 +116,19 @@ class AsyncLLM:
         try:
             while True:
                 message = self._conn.recv()
-                if message[0] == "outputs" and message[2] is not None:
-                    self._stats = message[2]        # read by stats() from any thread: one assignment
-                elif message[0] == "stats":
-                    self._stats = message[1]
+                if isinstance(message, StepOutputs) and message.stats is not None:
+                    self._stats = message.stats         # read by stats() from any thread: one assignment
+                elif isinstance(message, Stats):
+                    self._stats = message.stats
                     continue
                 self._call_in_loop(self._dispatch, message)
-                if message[0] == "fatal":
+                if isinstance(message, Fatal):
                     return
         except (EOFError, OSError):
             if not self._closed:
-                self._call_in_loop(self._dispatch, ("fatal", "RuntimeError", "the engine process exited"))
+                code = self._process.exitcode if not self._process.is_alive() else None
+                how = f" (exit code {code})" if code is not None else ""
+                self._call_in_loop(self._dispatch, Fatal("EngineDeadError", f"the engine process exited{how}"))
 
     def _call_in_loop(self, callback, *args) -> None:
         loop = self._loop
@@ -163,45 +140,66 @@ class AsyncLLM:
             except RuntimeError:    # the loop closed between the check and the call
                 callback(*args)
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "outputs":
+    def _dispatch(self, message) -> None:
+        if isinstance(message, StepOutputs):
             now = time.monotonic()
-            for delta in message[1]:
-                request = self._requests.get(delta[0])
-                if request is None:             # aborted here, its last tokens still on the way
+            for update in message.updates:
+                request = self._requests.get(update.request_id)
+                if request is not None and self.processor.wants(update):
+                    self._time(request, update, now)
+            touched, stopped = self.processor.process(message.updates)
+            for request_id, index in stopped:       # a stop string: the engine stops computing it
+                if self.dead_reason is None:
+                    self._send(FinishCompletion(request_id, index))
+            for request_id in touched:
+                request = self._requests.get(request_id)
+                if request is None:
                     continue
-                self._time(request, delta, now)
-                request.arrivals.append(delta)
+                if self.processor.is_finished(request_id) and not request.counted_finished:
+                    request.counted_finished = True
+                    self.requests_finished_total += 1
+                    self.histograms["e2e_request_latency_seconds"].observe(now - request.arrival)
                 request.ready.set()
-        elif kind == "error":
-            _, request_id, name, text = message
-            request = self._requests.get(request_id)
+        elif isinstance(message, Refused):
+            request = self._requests.get(message.request_id)
             if request is not None:
-                request.error = EXCEPTIONS.get(name, RuntimeError)(text)
+                request.error = refusal(message.kind, message.message)
                 request.ready.set()
-        elif kind == "fatal":
-            self._dead = f"{message[1]}: {message[2]}"
-            for request in self._requests.values():
-                request.error = RuntimeError(f"the engine has stopped: {self._dead}")
-                request.ready.set()
+        elif isinstance(message, Fatal):
+            self._die(f"{message.kind}: {message.message}")
 
-    def _time(self, request: _Request, delta: tuple, now: float) -> None:
-        """Metrics as the tokens reach this process: time to first token, between tokens, end to end."""
-        num_new = len(delta[2])
+    def _die(self, reason: str) -> None:
+        """The engine is gone: every request in flight fails with EngineDeadError, then the callbacks run."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        for request in self._requests.values():
+            request.error = EngineDeadError(f"the engine has stopped: {reason}")
+            request.ready.set()
+        for callback in self._dead_callbacks:
+            callback(reason)
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """Call callback(reason) once, in the event loop's thread, when the engine process dies or fails
+        (at once, through the running loop, if it has already)."""
+        self._dead_callbacks.append(callback)
+        if self.dead_reason is not None:
+            try:
+                asyncio.get_running_loop().call_soon(callback, self.dead_reason)
+            except RuntimeError:
+                callback(self.dead_reason)
+
+    def _time(self, request: _Request, update: CompletionUpdate, now: float) -> None:
+        """Metrics as the tokens reach this process: time to first token, between tokens."""
+        num_new = len(update.token_ids)
         if num_new:
             self.generation_tokens_total += num_new
             if request.last_token_time is None:
                 self.histograms["time_to_first_token_seconds"].observe(now - request.arrival)
-            elif delta[1] == 0:     # one completion's pace stands for the request's
+            elif update.index == 0:     # one completion's pace stands for the request's
                 self.histograms["inter_token_latency_seconds"].observe((now - request.last_token_time) / num_new)
-            if delta[1] == 0 or request.last_token_time is None:
+            if update.index == 0 or request.last_token_time is None:
                 request.last_token_time = now
-        if delta[4] is not None:
-            request.num_finished += 1
-            if request.num_finished == request.params.n:
-                self.requests_finished_total += 1
-                self.histograms["e2e_request_latency_seconds"].observe(now - request.arrival)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
@@ -216,106 +214,40 @@ class AsyncLLM:
         return default_sampling_params(self.model)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, checked_token_ids: list[int] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its tokens come; the last has finished=True and the whole output.
-        Raises ValueError/TypeError (before yielding) for a request the engine refuses."""
+        Raises ValueError/TypeError (before yielding) for a request the engine refuses, EngineDeadError
+        once the engine has died. checked_token_ids: the prompt's ids from check_request(prompt,
+        sampling_params) (a server that checked the request already; it is not checked again)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
         if request_id is None:
             request_id = f"request-{next(self._request_counter)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        token_ids = self.check_request(prompt, sampling_params)
+        token_ids = checked_token_ids if checked_token_ids is not None else self.check_request(prompt, sampling_params)
         self._loop = asyncio.get_running_loop()
-        request = _Request(token_ids, sampling_params, time.monotonic())
-        completions = [_Completion(IncrementalDetokenizer(
-            self.tokenizer, token_ids, sampling_params.stop, sampling_params.include_stop_str_in_output,
-            sampling_params.skip_special_tokens, sampling_params.min_tokens),
-            logprobs=[] if sampling_params.logprobs is not None else None) for _ in range(sampling_params.n)]
+        request = _Request(sampling_params, time.monotonic())
         self._requests[request_id] = request
+        self.processor.add_request(request_id, token_ids, sampling_params, stream=True)
         finished = False
         try:
-            self._send(("add", request_id, token_ids, sampling_params))
+            self._send(AddRequest(request_id, token_ids, sampling_params))
             self.prompt_tokens_total += len(token_ids)
             while not finished:
                 await request.ready.wait()
                 request.ready.clear()
                 if request.error is not None:
                     raise request.error
-                arrivals, request.arrivals = request.arrivals, []
-                output = self._output(request_id, request, completions, arrivals)
+                output = self.processor.take(request_id)
                 finished = output.finished
                 yield output
         finally:
             del self._requests[request_id]
-            if not finished and not request.aborted and self._dead is None and not self._closed:
-                self._send(("abort", request_id))     # the caller left early: free its blocks
-
-    def _output(self, request_id: str, request: _Request, completions: list[_Completion],
-                arrivals: list[tuple]) -> RequestOutput:
-        """Fold the engine's deltas (one per step and completion) into one delta per completion."""
-        prompt_logprobs = None
-        touched: dict[int, int] = {}        # completion index -> tokens it had before these arrivals
-        for _, index, token_ids, logprobs, finish_reason, stop_reason, step_prompt_logprobs in arrivals:
-            completion = completions[index]
-            touched.setdefault(index, len(completion.token_ids))
-            completion.token_ids.extend(token_ids)
-            if logprobs is not None and completion.logprobs is not None:
-                completion.logprobs.extend(logprobs)
-            if finish_reason is not None:
-                completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
-            if step_prompt_logprobs is not None:
-                prompt_logprobs = step_prompt_logprobs
-        if request.aborted:         # its last output: what is unfinished ends here
-            for index, completion in enumerate(completions):
-                if completion.finish_reason is None:
-                    completion.finish_reason = "abort"
-                    touched.setdefault(index, len(completion.token_ids))
-        deltas = [self._delta(index, completions[index], request.params, before)
-                  for index, before in sorted(touched.items())]
-        finished = all(c.finish_reason is not None for c in completions)
-        output = RequestOutput(request_id, request.prompt_token_ids, deltas, finished, prompt_logprobs)
-        if prompt_logprobs is not None:
-            request.prompt_logprobs = prompt_logprobs
-        if finished:
-            output.output = self._final(request, completions)
-        return output
-
-    @staticmethod
-    def _delta(index: int, completion: _Completion, params: SamplingParams, before: int) -> CompletionDelta:
-        """Detokenize what arrived (as OutputProcessor does: eos and stop tokens are not text); the text sent
-        stops short of a stop string that may still be forming (IncrementalDetokenizer.stable_length)."""
-        detokenizer, done = completion.detokenizer, completion.finish_reason is not None
-        shown = len(completion.token_ids)
-        if done and completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str) \
-                and not params.include_stop_str_in_output:
-            shown -= 1          # eos or a stop token: in token_ids, not in the text (as LLM.generate)
-        if params.stop:     # token by token, as the engine looked for them (min_tokens counts tokens)
-            for token_id in completion.token_ids[completion.num_detokenized:shown]:
-                detokenizer.append([token_id])
-        elif shown > completion.num_detokenized:
-            detokenizer.append(completion.token_ids[completion.num_detokenized:shown])
-        completion.num_detokenized = max(completion.num_detokenized, shown)
-        end = detokenizer.stable_length if not done else len(detokenizer.text)
-        new_text = detokenizer.text_from(completion.num_text_sent)[:end - completion.num_text_sent] \
-            if end > completion.num_text_sent else ""
-        completion.num_text_sent = max(completion.num_text_sent, end)
-        logprobs = completion.logprobs[before:] if completion.logprobs is not None else None
-        return CompletionDelta(index, completion.token_ids[before:], new_text, logprobs,
-                               completion.finish_reason, completion.stop_reason)
-
-    @staticmethod
-    def _final(request: _Request, completions: list[_Completion]) -> dict:
-        """The finished request as LLM.generate returns it."""
-        outputs = []
-        for completion in completions:
-            logprobs = completion.logprobs
-            cumulative = None
-            if logprobs is not None:
-                cumulative = sum(entry[token] for entry, token in zip(logprobs, completion.token_ids))
-            outputs.append({"text": completion.detokenizer.text, "token_ids": completion.token_ids,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                            "logprobs": logprobs, "cumulative_logprob": cumulative})
-        return {**outputs[0], "prompt_token_ids": request.prompt_token_ids,
-                "prompt_logprobs": request.prompt_logprobs, "outputs": outputs}
+            self.processor.forget(request_id)
+            if not finished and not request.aborted and self.dead_reason is None and not self._closed:
+                self._send(AbortRequest(request_id))     # the caller left early: free its blocks
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now: the engine frees its blocks before its next step, and the request's
@@ -324,13 +256,14 @@ class AsyncLLM:
         if request is None or request.aborted:
             return
         request.aborted = True
-        self._send(("abort", request_id))
+        self.processor.abort(request_id)
+        self._send(AbortRequest(request_id))
         request.ready.set()
 
     # ---- state --------------------------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._dead is None and not self._closed
+        return self.dead_reason is None and not self._closed
 
     def stats(self) -> dict:
         """The engine's latest figures, this process's counters and latency histograms."""
@@ -348,7 +281,7 @@ class AsyncLLM:
         self._closed = True
         try:
             with self._send_lock:
-                self._conn.send(("shutdown",))
+                self._conn.send(Shutdown())
         except OSError:
             pass
         self._stop_process()

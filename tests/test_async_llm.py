@@ -81,6 +81,40 @@ def test_streams_add_up_to_what_generate_returns(tiny_model, engine):
     assert stats["histograms"]["time_to_first_token_seconds"]["count"] >= len(REQUESTS)
 
 
+# n completions that end at different steps, for different reasons: stop tokens (a tenth of the vocabulary,
+# so most completions meet one early), stop strings, eos, the length limit; sampled and seeded, so
+# LLM.generate draws the same tokens
+STOP_TOKENS = list(range(0, 512, 10))
+MIXED = [([1, 2, 3, 4 + i], SamplingParams(n=n, temperature=1.0, seed=80 + i, max_tokens=30,
+                                           stop_token_ids=STOP_TOKENS if i % 3 != 2 else [],
+                                           stop=["a"] if i % 2 else None, ignore_eos=i % 4 == 3))
+         for i, n in enumerate((2, 3, 5, 2, 4, 8))]
+
+
+def test_a_request_ends_exactly_when_its_last_completion_does(tiny_model, engine):
+    """Whatever mix of finish reasons and steps its n completions end with, a request's stream ends, with
+    every completion as LLM.generate gives it (a completion that ended a step before the others once made
+    the request vanish in the engine process, and its stream never ended)."""
+    async def run_all():
+        jobs = (collect(engine, p, sp, f"mixed-{i}") for i, (p, sp) in enumerate(MIXED))
+        return await asyncio.wait_for(asyncio.gather(*jobs), 120)
+    streamed = asyncio.run(run_all())
+    with LLM(str(tiny_model), device="cpu", max_model_len=256) as llm:
+        offline = llm.generate([p for p, _ in MIXED], [sp for _, sp in MIXED], use_tqdm=False)
+    reasons, lengths = set(), set()
+    for (texts, tokens, outputs), expected in zip(streamed, offline):
+        assert outputs[-1].finished and all(not out.finished for out in outputs[:-1])
+        for index, completion in enumerate(expected["outputs"]):
+            assert tokens[index] == completion["token_ids"] and texts[index] == completion["text"]
+            got = outputs[-1].output["outputs"][index]
+            assert (got["finish_reason"], got["stop_reason"]) == (completion["finish_reason"], completion["stop_reason"])
+            reasons.add((completion["finish_reason"], type(completion["stop_reason"]).__name__))
+            lengths.add(len(completion["token_ids"]))
+    # the mix this test is about: stop tokens, stop strings and the length limit, at many steps
+    assert {("stop", "int"), ("stop", "str"), ("length", "NoneType")} <= reasons and len(lengths) > 5
+    assert engine.stats()["num_used_blocks"] == 0
+
+
 def test_refusals_raise_before_anything_runs_and_the_engine_goes_on(engine):
     async def scenario():
         with pytest.raises(ValueError, match="max_model_len"):

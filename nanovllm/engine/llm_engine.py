@@ -5,8 +5,10 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.messages import CompletionUpdate
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.step_outputs import completion_updates, record_logprobs, record_prompt_logprobs
 from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -24,11 +26,10 @@ class LLMEngine:
         self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
         self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
-        self.last_collected: list[Sequence | None] = []    # by row, the sequences whose tokens the last step collected
+        self.updates: list[CompletionUpdate] = []     # what the last step's collected tokens told each completion
         config = Config(model, **kwargs)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.output_processor = OutputProcessor(self.tokenizer)
         if self.tokenizer.eos_token_id is not None:
             config.eos_token_ids = config.eos_token_ids | {self.tokenizer.eos_token_id}
         self.workers = Workers(config)      # ranks 1..N-1 start building beside rank 0
@@ -86,9 +87,28 @@ class LLMEngine:
         self._make_sequence(prompt, sampling_params)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> int:
+        """Check the request and queue it; returns its id (its first sequence's), which the step's
+        `updates` carry."""
         seq = self._make_sequence(prompt, sampling_params)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def add_checked_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> int:
+        """Queue a request that was checked at the edge it entered by (AsyncLLM.check_request)."""
+        seq = Sequence(prompt_token_ids, sampling_params, self.config.kvcache_block_size)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def finish_completion(self, request_id: int, index: int, finish_reason: str = "stop") -> bool:
+        """Stop computing completion `index` of a request (a stop string ended its text). Returns False
+        if it had ended already."""
+        seq = self.scheduler.find(request_id, index)
+        if seq is None:
+            return False
+        seq.finish_reported = True      # its end is the caller's news: no update says it again
+        self.scheduler.finish(seq, finish_reason)
+        self._ended_seq_ids.append(seq.seq_id)
+        return True
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """Schedule and launch one batch, then collect the batch launched before it: the device runs
@@ -121,7 +141,7 @@ class LLMEngine:
         elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         previous, self._in_flight = self._in_flight, launched
-        self.last_collected = []
+        self.updates = []
         if previous is None:
             return [], num_tokens
         awaiting, sampled, prompt_seqs = previous
@@ -129,12 +149,12 @@ class LLMEngine:
         logprobs = sampled.logprobs()
         self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
         if logprobs is not None:
-            self.output_processor.record_logprobs(awaiting, token_ids, logprobs)
+            record_logprobs(awaiting, token_ids, logprobs)
         if prompt_seqs:
-            self.output_processor.record_prompt_logprobs(prompt_seqs, *sampled.prompt_logprobs())
-        finished = self.scheduler.postprocess(awaiting, token_ids, self.output_processor.stop_check)
+            record_prompt_logprobs(prompt_seqs, *sampled.prompt_logprobs())
+        finished = self.scheduler.postprocess(awaiting, token_ids)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)
-        self.last_collected = awaiting
+        self.updates = completion_updates(awaiting)
         return finished, num_tokens
 
     @staticmethod
@@ -174,15 +194,20 @@ class LLMEngine:
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         if not seqs:
             return []
+        processor = OutputProcessor(self.tokenizer)
         for seq in seqs:
+            processor.add_request(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, stream=False)
             self.scheduler.add(seq)
-        completions: dict[int, list[Sequence]] = {seq.seq_id: [] for seq in seqs}   # by request (first seq)
+        outputs: dict[int, dict] = {}
         pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_throughput = decode_throughput = 0.0
         try:
             while not self.is_finished():
                 t = perf_counter()
-                finished, num_tokens = self._step()
+                _, num_tokens = self._step()
+                touched, stopped = processor.process(self.updates)
+                for request_id, index in stopped:
+                    self.finish_completion(request_id, index)
                 elapsed = perf_counter() - t
                 if num_tokens > 0:
                     prefill_throughput = num_tokens / elapsed
@@ -193,16 +218,15 @@ class LLMEngine:
                     pbar.set_postfix(prefill=f"{int(prefill_throughput)}tok/s",
                                      decode=f"{int(decode_throughput)}tok/s",
                                      hit=f"{stats['prefix_cache_hit_rate']:.0%}", preempt=stats["num_preemptions"])
-                for seq in finished:
-                    group = completions.get(seq.parent_id)
-                    if group is not None:
-                        group.append(seq)
-                        if len(group) == seq.sampling_params.n:
-                            pbar.update(1)
+                for request_id in touched:
+                    if processor.is_finished(request_id):
+                        outputs[request_id] = processor.take(request_id).output
+                        pbar.update(1)
         except BaseException:
             self._in_flight = None
             self._ended_seq_ids.extend(seq.seq_id for seq in self.scheduler.abort_all())
             raise
         finally:
             pbar.close()
-        return [self.output_processor.request_output(completions[seq.seq_id]) for seq in seqs]
+        return [outputs[seq.seq_id] for seq in seqs]
+

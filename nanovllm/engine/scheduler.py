@@ -1,5 +1,5 @@
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -188,11 +188,10 @@ class Scheduler:
                 self.finishing.add(seq)
         return awaiting
 
-    def postprocess(self, awaiting: list[Sequence | None], token_ids: list[int],
-                    stop_check: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+    def postprocess(self, awaiting: list[Sequence | None], token_ids: list[int]) -> list[Sequence]:
         """A launched step's tokens arrived: fill the placeholders and finish what is done: on eos or a
-        stop token ("stop"), at the length limit ("length"), or when stop_check(seq) says so (a stop
-        string; it is asked only for sequences that have stop strings)."""
+        stop token ("stop"), or at the length limit ("length"). Stop strings are found in the text, by
+        the OutputProcessor, which then has the engine call finish()."""
         finished = []
         for seq, token_id in zip(awaiting, token_ids):
             if seq is None or seq.is_finished:  # a chunk, or stopped on eos one step before
@@ -204,8 +203,6 @@ class Scheduler:
                     token_id in seq.stop_token_ids or (not seq.ignore_eos and token_id in self.eos_token_ids)):
                 seq.finish_reason = "stop"
                 seq.stop_reason = token_id if token_id in seq.stop_token_ids else None
-            elif seq.sampling_params.stop and stop_check is not None and stop_check(seq):
-                seq.finish_reason = "stop"
             elif seq in self.finishing and not seq.num_pending_tokens:
                 seq.finish_reason = "length"
             else:
@@ -213,6 +210,20 @@ class Scheduler:
             self._finish(seq)
             finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, finish_reason: str) -> None:
+        """End seq now, between steps (a stop string found in its text): like eos found a step late, a
+        step in flight may still hold its row, which postprocess skips."""
+        seq.finish_reason = finish_reason
+        self._finish(seq)
+
+    def find(self, request_id: int, index: int) -> Sequence | None:
+        """Completion `index` of the request whose first sequence is request_id, if it has started and
+        not ended."""
+        for seq in (*self.running, *self.finishing, *self.waiting):
+            if seq.parent_id == request_id and seq.index == index:
+                return seq
+        return None
 
     def _finish(self, seq: Sequence) -> None:
         seq.drop_pending()

@@ -47,7 +47,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * len(token_ids) if wants_prompt_logprobs else None)
         self.cumulative_logprob = 0.0
-        self.detokenizer = None          # set by the engine for requests with stop strings
+        self.num_reported_tokens = 0     # completion tokens already in a CompletionUpdate
+        self.finish_reported = False     # its end is in one too: later rows of it (a step late) say nothing
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -19,8 +19,8 @@ from transformers import PreTrainedTokenizerFast
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.messages import CompletionUpdate
 from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.sequence import Sequence
 from token_groups import groups
 
 FFFD = "\ufffd"
@@ -110,21 +110,19 @@ def random_ids(name, tok, rng, lo, hi):
     return [rng.choice(pool) for _ in range(rng.randint(lo, hi))]
 
 
-def run_request(processor: OutputProcessor, prompt, output, params: SamplingParams, eos: bool = False) -> dict:
-    """What the engine does with a request whose sampled tokens are `output`: stop strings checked as each
-    token arrives (eos first: it ends the request unchecked), the output dict once it has finished."""
-    seq = Sequence(prompt, params, 16)
+def run_request(processor: OutputProcessor, prompt, output, params: SamplingParams, eos: bool = False,
+                stream: bool = False) -> dict:
+    """What LLM.generate (stream=False) or AsyncLLM (stream=True) makes of a request whose sampled tokens
+    are `output`, arriving one a step: stop strings found as each token arrives (eos ends the request
+    unchecked), the output dict once it has finished."""
+    processor.add_request("r", list(prompt), params, stream=stream)
     for i, token_id in enumerate(output):
-        seq.append_token(token_id)
-        if eos and i == len(output) - 1:
-            seq.finish_reason = "stop"
+        last = i == len(output) - 1
+        finish = ("stop" if eos else "length") if last else None
+        _, stopped = processor.process([CompletionUpdate("r", 0, [token_id], finish_reason=finish)])
+        if stopped or last:
             break
-        if params.stop and processor.stop_check(seq):
-            seq.finish_reason = "stop"
-            break
-    else:
-        seq.finish_reason = "length"
-    return processor.completion(seq)
+    return processor.take("r").output["outputs"][0]
 
 
 # ---- the identity ------------------------------------------------------------------------------------------
