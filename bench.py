@@ -348,7 +348,8 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
 def sampling_options(args: argparse.Namespace) -> dict:
     """The SamplingParams fields the command line sets (the standard workload: temperature 0.6 alone)."""
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                logprobs=args.logprobs, n=args.n)
+                logprobs=args.logprobs, n=args.n, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def make_engine(args: argparse.Namespace, model: Path, max_model_len: int = MAX_MODEL_LEN):
@@ -552,6 +553,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sampling.add_argument("--min-p", type=float, default=0.0)
     sampling.add_argument("--logprobs", type=int, help="top log-probs returned per token")
     sampling.add_argument("--n", type=int, default=1, help="completions per prompt (the throughput counts them all)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="over prompt and output (1.1 is in many checkpoints' generation_config.json)")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0)
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0)
     engine = parser.add_argument_group("nanovllm engine knobs (default: the engine's own)")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     engine.add_argument("--tensor-parallel-size", type=int,
