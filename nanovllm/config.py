@@ -1,18 +1,25 @@
+# torch, transformers and the quantization layers are imported where a Config is checked, not with this
+# module (its annotations stay text): the command line lists Config's fields without them (`nanovllm --help`)
+from __future__ import annotations
+
 import os
 from dataclasses import dataclass, field, fields
 from importlib.util import find_spec
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, PretrainedConfig
-
-from nanovllm.layers.quantization import WeightQuantization, resolve_weight_quantization
 from nanovllm.models import model_class
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from nanovllm.layers.quantization import WeightQuantization
+
 DEVICES = ("auto", "cuda", "cpu")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")     # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}   # None: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}   # None: the model's dtype; else a torch dtype's name
 LOAD_FORMATS = ("auto", "dummy")   # dummy: seeded random weights from config.json alone (benchmarks of big shapes)
 CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, independent of free RAM
 
@@ -92,6 +99,7 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
 
         self._resolve_device()
+        from transformers import AutoConfig
         self.hf_config = AutoConfig.from_pretrained(self.model)
         model_cls = model_class(self.hf_config)   # a clear error for architectures and variants we lack
         if "sliding_attention" in (getattr(self.hf_config, "layer_types", None) or []):
@@ -108,6 +116,7 @@ class Config:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
     def _resolve_device(self) -> None:
+        import torch
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.device == "auto":
@@ -116,8 +125,10 @@ class Config:
             raise ValueError("device='cuda' was asked for, but no CUDA device is available")
 
     def _resolve_dtype(self) -> None:
+        import torch
+        dtypes = {name: getattr(torch, name) for name in DTYPES}
         if isinstance(self.dtype, torch.dtype):
-            if self.dtype not in DTYPES.values():
+            if self.dtype not in dtypes.values():
                 raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype}")
             return
         if self.dtype == "auto":
@@ -126,10 +137,10 @@ class Config:
             else:
                 saved = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
                 if isinstance(saved, str):
-                    saved = DTYPES.get(saved)
-                self.dtype = saved if saved in DTYPES.values() else torch.bfloat16
-        elif self.dtype in DTYPES:
-            self.dtype = DTYPES[self.dtype]
+                    saved = dtypes.get(saved)
+                self.dtype = saved if saved in dtypes.values() else torch.bfloat16
+        elif self.dtype in dtypes:
+            self.dtype = dtypes[self.dtype]
         else:
             raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype!r}")
 
@@ -137,6 +148,9 @@ class Config:
         """FP8 weights: what the checkpoint's quantization_config says (refused by name unless it is a scheme
         layers/quantization.py runs), or quantization="fp8" on an unquantized checkpoint (online, per channel).
         `quantization` ends up "fp8" exactly when the weights will be."""
+        import torch
+
+        from nanovllm.layers.quantization import resolve_weight_quantization
         where = f"{self.model!r}'s config.json"
         self.weight_quantization = resolve_weight_quantization(self.hf_config, self.quantization, where,
                                                                self.load_format)
@@ -150,13 +164,16 @@ class Config:
     def _resolve_kv_cache_dtype(self) -> None:
         """"auto": the model's dtype; "fp8": float8_e4m3fn, K and V stored as they are (scale 1.0) and
         saturated at +-448 (README, "FP8 KV cache")."""
+        import torch
         if self.kv_cache_dtype in (self.dtype, torch.float8_e4m3fn):
             return
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+        name = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        self.kv_cache_dtype = getattr(torch, name) if name else self.dtype
 
     def _resolve_attention_backend(self) -> None:
+        import torch
         backend, block_size = self.attention_backend, self.kvcache_block_size
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -185,6 +202,7 @@ class Config:
         self.attention_backend = backend
 
     def _check_tensor_parallel(self) -> None:
+        import torch
         tp, hf = self.tensor_parallel_size, self.hf_config
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} CUDA device(s)")

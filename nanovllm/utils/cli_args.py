@@ -10,8 +10,10 @@ negation (`--enforce-eager` / `--no-enforce-eager`). Options not given stay out 
 own defaults. The dataclass is an argument: this module knows no setting of its own.
 """
 import argparse
+import builtins
 import dataclasses
 import json
+import sys
 import types
 import typing
 from typing import Any, Callable
@@ -100,11 +102,50 @@ def _option(annotation) -> dict:
     return kwargs
 
 
+class _Unnamed(type):
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):       # typing's probes (__origin__, __args__, ...): a plain class
+            raise AttributeError(name)
+        return cls
+
+
+class Unresolved(metaclass=_Unnamed):
+    """What a name in a string annotation stands for when its module imports it only for type checkers
+    (nanovllm.config names torch.dtype so, to load without torch): some type that no command line can
+    spell. `str | torch.dtype` reads as `str | Unresolved`, which is all an option needs to know."""
+
+
+class _Fallback(dict):
+    """eval's locals for a string annotation: a name found nowhere (not in its module, not a builtin) is
+    Unresolved, and so is any attribute of it."""
+
+    def __init__(self, module_globals: dict):
+        super().__init__()
+        self.module_globals = module_globals
+
+    def __missing__(self, name: str):
+        if name in self.module_globals or hasattr(builtins, name):
+            raise KeyError(name)        # eval goes on to the module's globals, then the builtins
+        return Unresolved
+
+
 def _annotations(cls) -> dict:
-    try:
-        return typing.get_type_hints(cls)
-    except (NameError, TypeError):      # a string annotation that does not resolve: the raw ones
-        return {f.name: f.type for f in dataclasses.fields(cls)}
+    """Each field's annotation as an object, string annotations (`from __future__ import annotations`)
+    evaluated in the module of the class that declares the field, without importing anything."""
+    declared = {}
+    for klass in reversed(cls.__mro__):
+        for name in vars(klass).get("__annotations__", {}):
+            declared[name] = klass
+    hints = {}
+    for f in dataclasses.fields(cls):
+        hints[f.name] = f.type
+        if isinstance(f.type, str):
+            module_globals = vars(sys.modules[declared.get(f.name, cls).__module__])
+            try:
+                hints[f.name] = eval(f.type, module_globals, _Fallback(module_globals))
+            except Exception:       # not an expression of names: left as text (an option of strings)
+                pass
+    return hints
 
 
 def _default(field: dataclasses.Field):

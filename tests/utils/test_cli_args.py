@@ -84,3 +84,39 @@ def test_help_shows_flags_types_and_defaults(capsys):
     assert "--size INT" in text and "--share FLOAT" in text and "--dtype STR" in text
     assert "(default: 4)" in text and "(default: 'auto')" in text and "(default: True)" in text
     assert "--derived" not in text and "--name" not in text
+
+
+@dataclass
+class TextAnnotated:
+    """Annotations as `from __future__ import annotations` leaves them, naming a module never imported here
+    (as nanovllm.config names torch only for type checkers)."""
+    dtype: "str | tensorlib.dtype" = "auto"
+    size: "int" = 4
+    seed: "int | None" = None
+    eager: "bool" = False
+    handle: "HandleOfSomeLibrary | None" = None
+    derived: "SomeConfig" = field(init=False, default=None)
+
+
+def test_string_annotations_resolve_without_their_imports():
+    parser = argparse.ArgumentParser(prog="prog")
+    add_dataclass_options(parser, TextAnnotated, "settings")
+    text = parser.format_help()
+    assert "--dtype STR" in text and "--size INT" in text and "--seed INT" in text and "--handle JSON" in text
+    args = parser.parse_args(["--dtype", "bfloat16", "--size", "8", "--seed", "null", "--eager"])
+    assert dataclass_kwargs(args, TextAnnotated) == {"dtype": "bfloat16", "size": 8, "seed": None, "eager": True}
+
+
+def test_config_options_are_typed():
+    """nanovllm.config keeps its annotations as text (it loads without torch): each option is still typed."""
+    from nanovllm.config import Config
+    parser = argparse.ArgumentParser(prog="prog")
+    add_dataclass_options(parser, Config, "engine", skip=("model",))
+    text = parser.format_help()
+    for option in ("--max-model-len INT", "--gpu-memory-utilization FLOAT", "--dtype STR", "--kv-cache-dtype STR",
+                   "--enforce-eager, --no-enforce-eager", "--quantization STR"):
+        assert option in text
+    assert "--hf-config" not in text and "--eos-token-ids" not in text
+    args = parser.parse_args(["--max-model-len", "512", "--dtype", "float16", "--no-enable-prefix-caching"])
+    assert dataclass_kwargs(args, Config, skip=("model",)) == {"max_model_len": 512, "dtype": "float16",
+                                                               "enable_prefix_caching": False}
