@@ -9,7 +9,7 @@ from nanovllm.entrypoints.errors import APIError
 from nanovllm.entrypoints.logprobs import TokenTexts, chat_logprobs
 from nanovllm.entrypoints.protocol import ChatChoice, ChatCompletionChunk, ChatCompletionRequest, \
     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo
-from nanovllm.entrypoints.serving import Serving, new_id, now, outputs_of, stream_error
+from nanovllm.entrypoints.server_state import Serving, new_id, now, outputs_of, stream_error
 from nanovllm.entrypoints.streams import SSE_DONE, EventStream, sse
 
 

@@ -6,9 +6,9 @@ import sys
 
 # name -> (what it does, its module, whose main(argv) runs it)
 COMMANDS = {
-    "serve": ("serve a model over an OpenAI-compatible HTTP API", "nanovllm.entrypoints.serve"),
+    "serve": ("serve a model over an OpenAI-compatible HTTP API", "nanovllm.entrypoints.serve_command"),
     "chat": ("chat with a model in the terminal (in this process, or a server's with --url)",
-             "nanovllm.entrypoints.chat"),
+             "nanovllm.entrypoints.terminal_chat"),
     "batch": ("batch inference over JSONL/Parquet rows on Ray Data (python -m nanovllm.batch)", "nanovllm.batch"),
 }
 

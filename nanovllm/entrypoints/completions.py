@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from nanovllm.entrypoints.logprobs import TokenTexts, append_completion_logprobs
 from nanovllm.entrypoints.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, \
     CompletionResponse, UsageInfo
-from nanovllm.entrypoints.serving import Job, Serving, new_id, now, outputs_of, stream_error
+from nanovllm.entrypoints.server_state import Job, Serving, new_id, now, outputs_of, stream_error
 from nanovllm.entrypoints.streams import SSE_DONE, EventStream, sse
 
 

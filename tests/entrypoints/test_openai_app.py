@@ -8,7 +8,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from nanovllm.entrypoints.openai_server import build_app  # noqa: E402
+from nanovllm.entrypoints.openai_app import build_app  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""`nanovllm serve MODEL`: the OpenAI-compatible server (openai_server.py) under uvicorn.
+"""`nanovllm serve MODEL`: the OpenAI-compatible server (openai_app.py) under uvicorn.
 
     nanovllm serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
                          [every LLM argument: --max-model-len 8192 --tensor-parallel-size 2 ...]
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        from nanovllm.entrypoints.openai_server import build_app
+        from nanovllm.entrypoints.openai_app import build_app
     except ImportError as error:
         parser.error(f"{error}; the server needs the serve extra: pip install 'nano-vllm[serve]'")
     from nanovllm import AsyncLLM

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from nanovllm.entrypoints.chat import ChatError, LocalChat, converse
+from nanovllm.entrypoints.terminal_chat import ChatError, LocalChat, converse
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,7 @@
     POST /tokenize, /detokenize (vLLM's)
 
 With an API key, every /v1 path wants `Authorization: Bearer KEY` (the others stay open, as in vLLM).
-`build_app` only builds the app; `nanovllm serve` (serve.py) runs it."""
+`build_app` only builds the app; `nanovllm serve` (serve_command.py) runs it."""
 import hmac
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -17,7 +17,7 @@ from nanovllm.entrypoints.errors import APIError, install_error_handlers
 from nanovllm.entrypoints.metrics import CONTENT_TYPE, render_metrics
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
-from nanovllm.entrypoints.serving import Serving, now
+from nanovllm.entrypoints.server_state import Serving, now
 from nanovllm.entrypoints.streams import unless_disconnected
 
 
