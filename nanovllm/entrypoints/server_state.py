@@ -36,21 +36,27 @@ class Serving:
 
     def job(self, prompt: str | list[int], make_params: Callable[[int], SamplingParams],
             max_tokens: int | None) -> Job:
-        """Check one prompt with the engine. max_tokens None: whatever room max_model_len leaves, which
-        needs the prompt's length first (learned from a check with the smallest request)."""
+        """Check one prompt with the engine, once: the job runs with the checked token ids (generate is
+        not asked to check them again). max_tokens None: whatever room max_model_len leaves the prompt,
+        which needs its length first: a text prompt is tokenized here, as the engine would, and the check
+        is of those ids."""
+        engine = self.engine
         try:
             if max_tokens is None:
-                token_ids = self.engine.check_request(prompt, SamplingParams(max_tokens=1))
-                prompt, max_tokens = token_ids, self.engine.max_model_len - len(token_ids)
+                if isinstance(prompt, str) and prompt:     # "" is left to the check, which names it
+                    prompt = engine.tokenizer.encode(prompt)
+                # a prompt with no room left: its check says so (max_tokens=0 would be refused first)
+                max_tokens = max(1, engine.max_model_len - len(prompt))
             params = make_params(max_tokens)
-            return Job(self.engine.check_request(prompt, params), params)
+            return Job(engine.check_request(prompt, params), params)
         except (ValueError, TypeError) as error:
             raise APIError(str(error)) from None
 
     def run(self, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
         """(job index, engine output) as they come, every job running at once."""
         return merge([self.in_flight.track(f"{request_id}-{i}", self.engine.generate(
-            job.prompt_token_ids, job.params, f"{request_id}-{i}")) for i, job in enumerate(jobs)])
+            job.prompt_token_ids, job.params, f"{request_id}-{i}", checked_token_ids=job.prompt_token_ids))
+            for i, job in enumerate(jobs)])
 
     async def start(self, request_id: str, jobs: list[Job]) -> tuple[object, AsyncIterator]:
         """Start the jobs and wait for the first output, so that a request the engine refuses after all

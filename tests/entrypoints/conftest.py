@@ -56,6 +56,7 @@ class FakeEngine:
         self.defaults = SamplingParams(temperature=0.7, top_p=0.9)
         self.requests: dict[str, SamplingParams] = {}     # every request generate() took, with its params
         self.ended: dict[str, str] = {}                   # request id -> "finished" | "aborted" | "closed"
+        self.checks: list = []                            # the prompt of every check, as check_request got it
         self._abort: set[str] = set()
         self.is_running = True
 
@@ -69,6 +70,7 @@ class FakeEngine:
         return self.tokenizer.encode(text)
 
     def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        self.checks.append(prompt)
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -86,8 +88,9 @@ class FakeEngine:
         entry[token_id] = -0.5
         return entry
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
-        ids = self.check_request(prompt, params)
+    async def generate(self, prompt, params: SamplingParams, request_id: str, *,
+                       checked_token_ids: list[int] | None = None):
+        ids = checked_token_ids if checked_token_ids is not None else self.check_request(prompt, params)
         if "refuse-later" in self.tokenizer.decode(ids):
             raise ValueError("refused by the engine")
         self.requests[request_id] = params

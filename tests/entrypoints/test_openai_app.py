@@ -91,6 +91,27 @@ def test_sampling_defaults_and_overrides(client, fake_engine):
     assert unbounded.max_tokens == fake_engine.max_model_len - prompt_len     # up to max_model_len
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": None}),
+    ("/v1/completions", {"prompt": [72, 105], "max_tokens": None}),
+    ("/v1/completions", {"prompt": ["Hi", "there"], "max_tokens": 3, "n": 2}),
+    ("/v1/completions", {"prompt": [[72, 105], [72]], "max_tokens": None, "stream": True}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True}),
+])
+def test_each_prompt_checked_once(client, fake_engine, path, body):
+    """A request is checked at the edge it came in by, once a prompt: max_tokens absent (the room the
+    prompt leaves) included, and generate() runs the checked ids without checking them again."""
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    prompts = body.get("prompt", [None])
+    prompts = prompts if isinstance(prompts, list) and not isinstance(prompts[0], int) else [prompts]
+    assert len(fake_engine.checks) == len(prompts) == len(fake_engine.requests)
+    checked = [fake_engine.check_request(prompt, SamplingParams()) for prompt in list(fake_engine.checks)]
+    for ids, params in zip(checked, fake_engine.requests.values()):
+        assert params.max_tokens == (body.get("max_tokens") or fake_engine.max_model_len - len(ids))
+
+
 def test_completion_stream(client, fake_engine):
     response = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 4, "stream": True,
                                                     "stream_options": {"include_usage": True}})
