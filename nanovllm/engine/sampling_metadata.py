@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import penalties as penalty_kernels
 from nanovllm.layers.sampler import Penalties, SamplerOutput, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.transfer import to_device
@@ -68,8 +69,12 @@ class PenaltyState:
         return to_device(np.array(rows, dtype=np.int64), self.device)
 
     def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
-                                      accumulate=True)
+        """output_counts[rows[i], token_ids[i]] += 1: one small kernel on a GPU (Sampler.warmup compiles it)."""
+        if self.output_counts.is_cuda:
+            penalty_kernels.count_tokens(self.output_counts, rows, token_ids)
+        else:
+            self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
+                                          accumulate=True)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -147,13 +152,17 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
         if penalized:
             state_rows = penalty_state.rows_for([seqs[i] for i in penalized])
             pick = [params[i] for i in penalized]
-            weights = to_device(np.array([[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
-                                          [p.presence_penalty for p in pick]], dtype=np.float32), device)
+            # the weights' rows padded to 16 bytes, as the floats above (one compiled variant of the kernel)
+            num = len(pick)
+            weights = np.zeros((3, -(-num // 4) * 4), dtype=np.float32)
+            weights[:, :num] = [[p.repetition_penalty for p in pick], [p.frequency_penalty for p in pick],
+                                [p.presence_penalty for p in pick]]
+            weights = to_device(weights, device)
+            # the tables themselves: the penalties read each row's state where it lies
             tensors.penalties = Penalties(
-                rows=to_device(np.array(penalized, dtype=np.int64), device),
-                prompt_mask=penalty_state.prompt_mask[state_rows],
-                output_counts=penalty_state.output_counts[state_rows],
-                repetition=weights[0], frequency=weights[1], presence=weights[2])
+                rows=to_device(np.array(penalized, dtype=np.int64), device), state_rows=state_rows,
+                prompt_mask=penalty_state.prompt_mask, output_counts=penalty_state.output_counts,
+                repetition=weights[0, :num], frequency=weights[1, :num], presence=weights[2, :num])
     return tensors, state_rows
 
 

@@ -11,13 +11,17 @@ import math
 import torch
 
 
-def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.Tensor, prompt_mask: torch.Tensor,
+                    output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> None:
     """In place, for logits[rows]: repetition over prompt + output (positive logits divided, negative
-    multiplied), then frequency (times the count) and presence (once) over the output."""
+    multiplied), then frequency (times the count) and presence (once) over the output. prompt_mask
+    (bool) and output_counts (int32) are the state tables, [state rows, vocab]: logits row rows[i] takes
+    their row state_rows[i]. The GPU's one-pass version is nanovllm.kernels.penalties (same roundings)."""
     x = logits[rows].float()
-    counts = output_counts.float()
-    seen = prompt_mask | (output_counts > 0)
+    state_counts = output_counts[state_rows]
+    counts = state_counts.float()
+    seen = prompt_mask[state_rows] | (state_counts > 0)
     repetition = repetition.unsqueeze(1)
     x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
     x -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.kernels import penalties as penalty_kernels
 from nanovllm.kernels import sampling as kernels
 from nanovllm.layers.logits_processor import (apply_penalties, ban_tokens, keep_at_least,
                                               thresholds_from_candidates)
@@ -11,10 +12,12 @@ from nanovllm.layers.logits_processor import (apply_penalties, ban_tokens, keep_
 
 @dataclass
 class Penalties:
-    """The penalized rows of a step and their state (prompt tokens seen, output token counts)."""
-    rows: torch.Tensor              # [p] rows of the batch
-    prompt_mask: torch.Tensor       # [p, vocab] bool
-    output_counts: torch.Tensor     # [p, vocab] int32
+    """The penalized rows of a step and where their state lies (PenaltyState's tables, read in place:
+    row rows[i] of the batch takes table row state_rows[i])."""
+    rows: torch.Tensor              # [p] int64 rows of the batch
+    state_rows: torch.Tensor        # [p] int64 rows of the tables
+    prompt_mask: torch.Tensor       # [state rows, vocab] bool: the token is in the prompt
+    output_counts: torch.Tensor     # [state rows, vocab] int32: the token's count in the output
     repetition: torch.Tensor        # [p] float32
     frequency: torch.Tensor
     presence: torch.Tensor
@@ -61,10 +64,14 @@ class Sampler(nn.Module):
 
     def warmup(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile every kernel variant for the model's logits dtype now (filters or not, log-probs or
-        not, the exact search, log-probs of logits that penalties or min_tokens edit), so that the first
-        request asking for one does not wait for Triton."""
+        not, the exact search, log-probs of logits that penalties or min_tokens edit, the penalties and
+        the count of the penalized rows' tokens), so that the first request asking for one does not wait
+        for Triton. The penalty state here has the engine's shapes and dtypes (PenaltyState's)."""
         logits = torch.randn(2, vocab_size, device=device).to(dtype)
         rows = torch.arange(2, dtype=torch.int32, device=device)
+        state_rows = torch.tensor([1, 0], device=device)
+        prompt_mask = torch.zeros(2, vocab_size, dtype=torch.bool, device=device)
+        output_counts = torch.zeros(2, vocab_size, dtype=torch.int32, device=device)
         for filters, num_top, edits in itertools.product((False, True), (None, 1), (False, True)):
             if edits and num_top is None:
                 continue            # edits alone take the same kernels as no edits
@@ -75,7 +82,13 @@ class Sampler(nn.Module):
                 t.top_p, t.min_p, t.filter_rows = torch.tensor([0.5, 1.0], device=device), torch.zeros(2, device=device), rows
             if edits:       # log-probs then come from the raw logits' candidates, apart from the draw
                 t.banned = (rows.long(), torch.zeros(2, dtype=torch.int64, device=device))
-            self(logits, t)
+                t.penalties = Penalties(rows=rows.long(), state_rows=state_rows, prompt_mask=prompt_mask,
+                                        output_counts=output_counts, repetition=torch.full((2,), 1.1, device=device),
+                                        frequency=torch.full((2,), 0.5, device=device),
+                                        presence=torch.full((2,), 0.5, device=device))
+            output = self(logits, t)
+            if edits and self._on_kernels(logits):      # PenaltyState.count's kernel
+                penalty_kernels.count_tokens(output_counts, state_rows, output.token_ids[t.penalties.rows])
 
     def _on_kernels(self, logits: torch.Tensor) -> bool:
         return logits.is_cuda if self.use_kernels is None else self.use_kernels
@@ -97,7 +110,9 @@ class Sampler(nn.Module):
             output.top_token_ids, output.top_logprobs = token_ids[:, :num_top], values[:, :num_top] - log_z.unsqueeze(1)
         if tensors.penalties is not None:
             p = tensors.penalties
-            apply_penalties(logits, p.rows, p.prompt_mask, p.output_counts, p.repetition, p.frequency, p.presence)
+            penalize = penalty_kernels.apply_penalties if on_kernels else apply_penalties
+            penalize(logits, p.rows, p.state_rows, p.prompt_mask, p.output_counts, p.repetition, p.frequency,
+                     p.presence)
         if tensors.banned is not None:
             ban_tokens(logits, *tensors.banned)
         if on_kernels:

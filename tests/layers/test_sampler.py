@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from nanovllm.kernels import penalties as penalty_kernels
 from nanovllm.layers.logits_processor import apply_penalties, keep_at_least
 from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors
 from sampling_reference import hf_probabilities
@@ -126,7 +127,7 @@ def test_zero_temperature_rows_take_the_argmax_and_the_input_is_untouched(path):
 def test_logprobs_are_the_log_softmax_of_the_raw_logits(path, k):
     torch.manual_seed(6)
     logits = torch.randn(5, 300, device=DEVICE) * 3
-    penalties = Penalties(rows=torch.tensor([1], device=DEVICE),
+    penalties = Penalties(rows=torch.tensor([1], device=DEVICE), state_rows=torch.tensor([0], device=DEVICE),
                           prompt_mask=torch.ones(1, 300, dtype=torch.bool, device=DEVICE),
                           output_counts=torch.zeros(1, 300, dtype=torch.int32, device=DEVICE),
                           repetition=torch.tensor([2.0], device=DEVICE), frequency=torch.zeros(1, device=DEVICE),
@@ -141,21 +142,28 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits(path, k):
     torch.testing.assert_close(out.top_logprobs, top.values, atol=1e-4, rtol=0)
 
 
-def test_repetition_penalty_equals_transformers_and_presence_frequency_the_definition():
+@pytest.mark.parametrize("path", PATHS)
+def test_repetition_penalty_equals_transformers_and_presence_frequency_the_definition(path):
+    """The penalties read each row's state from the tables where it lies (rows 4, 0, 2 of five)."""
     torch.manual_seed(7)
     logits = torch.randn(3, 50, device=DEVICE) * 3
     prompt = [[1, 2, 3], [4, 4, 5], [9]]
     output = [[3, 7, 7], [], [10, 10, 10, 11]]
-    prompt_mask = torch.zeros(3, 50, dtype=torch.bool, device=DEVICE)
-    counts = torch.zeros(3, 50, dtype=torch.int32, device=DEVICE)
+    state_rows = [4, 0, 2]
+    prompt_mask = torch.zeros(5, 50, dtype=torch.bool, device=DEVICE)
+    counts = torch.zeros(5, 50, dtype=torch.int32, device=DEVICE)
+    prompt_mask[1, :25] = prompt_mask[3] = True       # other sequences' state
+    counts[1, 25:] = counts[3, ::3] = 2
     for row in range(3):
-        prompt_mask[row, prompt[row]] = True
+        prompt_mask[state_rows[row], prompt[row]] = True
         for token in output[row]:
-            counts[row, token] += 1
+            counts[state_rows[row], token] += 1
     repetition, frequency, presence = [1.3, 0.7, 1.0], [0.0, 0.5, 0.4], [0.0, -1.0, 0.6]
     ours = logits.clone()
-    apply_penalties(ours, torch.arange(3, device=DEVICE), prompt_mask, counts, torch.tensor(repetition, device=DEVICE),
-                    torch.tensor(frequency, device=DEVICE), torch.tensor(presence, device=DEVICE))
+    penalize = penalty_kernels.apply_penalties if PATHS[path] else apply_penalties
+    penalize(ours, torch.arange(3, device=DEVICE), torch.tensor(state_rows, device=DEVICE), prompt_mask, counts,
+             torch.tensor(repetition, device=DEVICE), torch.tensor(frequency, device=DEVICE),
+             torch.tensor(presence, device=DEVICE))
     for row in range(3):
         expected = RepetitionPenaltyLogitsProcessor(repetition[row])(
             torch.tensor([prompt[row] + output[row]]), logits[row:row + 1].cpu().clone())[0]
@@ -188,7 +196,7 @@ def test_logprobs_of_flat_rows_are_a_true_top_k_on_the_kernel_path(how):
     extra = dict(max_logprobs=k)
     if how == "penalties":
         extra["penalties"] = Penalties(rows=torch.tensor([1], device=DEVICE),
-                                       prompt_mask=torch.ones(1, vocab, dtype=torch.bool, device=DEVICE),
+                                       state_rows=torch.tensor([0], device=DEVICE), prompt_mask=torch.ones(1, vocab, dtype=torch.bool, device=DEVICE),
                                        output_counts=torch.zeros(1, vocab, dtype=torch.int32, device=DEVICE),
                                        repetition=torch.tensor([1.5], device=DEVICE),
                                        frequency=torch.zeros(1, device=DEVICE), presence=torch.zeros(1, device=DEVICE))
