@@ -1,12 +1,14 @@
 """Every error the server returns has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 A bad request is a 400 (FastAPI's own 422 for a body that does not validate included), a missing or
-wrong API key a 401, an unknown model a 404; the server keeps serving after each."""
+wrong API key a 401, an unknown model a 404; the server keeps serving after each. A request the engine
+cannot finish because its process died is a 503 (code "engine_dead"); the server then exits."""
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from nanovllm.async_llm import EngineDeadError
 from nanovllm.entrypoints.protocol import ErrorInfo, ErrorResponse
 
 
@@ -23,6 +25,18 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.info()).model_dump(), status_code=self.status)
+
+
+def as_api_error(error: Exception) -> APIError:
+    """Any error as the API tells it: a refusal (ValueError, TypeError) is the client's 400, the engine's
+    death a 503, anything else a 500."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, (ValueError, TypeError)):
+        return APIError(str(error))
+    if isinstance(error, EngineDeadError):
+        return APIError(str(error), status=503, type="server_error", code="engine_dead")
+    return APIError(f"internal server error: {type(error).__name__}: {error}", status=500, type="server_error")
 
 
 def _validation_error(errors: list[dict]) -> APIError:
@@ -53,6 +67,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
         return _validation_error(list(error.errors())).response()
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
+        return as_api_error(error).response()
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         # Starlette's own answers: an unknown path (404), a wrong method (405)
@@ -62,5 +80,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:
         # the traceback is logged by the server (Starlette raises the error again after this answer)
-        return APIError(f"internal server error: {type(error).__name__}: {error}", status=500,
-                        type="server_error").response()
+        return as_api_error(error).response()

@@ -5,19 +5,25 @@
 
 The engine starts first (a bad argument or model fails here, before any port is bound). SIGTERM or
 Ctrl-C: the server stops accepting connections, ends the requests in flight (each finishes with
-finish_reason "abort", so its response ends normally), stops the engine process and exits.
+finish_reason "abort", so its response ends normally), stops the engine process and exits (code 0).
+If the engine process dies, the requests in flight fail at once (a 503 in OpenAI's error shape, or in a
+stream an error event, then [DONE]), the log says why, and the server stops the same way and exits with
+code 1, for a supervisor to restart it: a server without its engine would only answer 503s.
 """
 import argparse
+import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
 
 from nanovllm.config import Config
 from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
 
 # seconds a request in flight has to finish once aborted, before uvicorn cancels it
 GRACEFUL_SHUTDOWN_SECONDS = 5
+ENGINE_DEAD_EXIT_CODE = 1
+
+logger = logging.getLogger("nanovllm.serve")
 
 
 def build_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
@@ -36,19 +42,42 @@ def build_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(app, host: str, port: int, log_level: str, end_requests: Callable[[], Awaitable[None]]) -> None:
+def _serve(app, engine, host: str, port: int, log_level: str) -> str | None:
+    """Run the app until SIGTERM, Ctrl-C or the engine's death; returns why the engine died, if it did."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        engine_died: str | None = None
+
+        async def startup(self, sockets=None) -> None:
+            loop = asyncio.get_running_loop()
+
+            def died(reason: str) -> None:      # called in the loop's thread, or any other: hop to the loop
+                try:
+                    loop.call_soon_threadsafe(self.stop_without_engine, reason)
+                except RuntimeError:            # the loop is closed: the server has stopped already
+                    pass
+            engine.on_dead(died)
+            await super().startup(sockets)
+
+        def stop_without_engine(self, reason: str) -> None:
+            if self.engine_died is None:
+                self.engine_died = reason
+                logger.error("the engine process died (%s); the server stops and exits with code %d",
+                             reason, ENGINE_DEAD_EXIT_CODE)
+                self.should_exit = True
+
         async def shutdown(self, sockets=None) -> None:
             for server in self.servers:     # stop accepting first, then end what runs
                 server.close()
-            await end_requests()
+            await app.state.end_requests()
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    Server(config).run()
+    server = Server(config)
+    server.run()
+    return server.engine_died
 
 
 def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
@@ -68,13 +97,16 @@ def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
         engine = AsyncLLM(args.model, **dataclass_kwargs(args, Config, skip=("model",)))
     except (ValueError, TypeError, FileNotFoundError) as error:
         parser.error(str(error))
+    engine_died = None
     try:
         app = build_app(engine, args.served_model_name or args.model, args.api_key)
-        _serve(app, args.host, args.port, args.log_level, app.state.end_requests)
+        engine_died = _serve(app, engine, args.host, args.port, args.log_level)
     except KeyboardInterrupt:
         pass
     finally:
         engine.shutdown()
+    if engine_died is not None:
+        sys.exit(ENGINE_DEAD_EXIT_CODE)
 
 
 if __name__ == "__main__":

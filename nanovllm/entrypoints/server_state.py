@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from nanovllm.entrypoints.errors import APIError
+from nanovllm.entrypoints.errors import APIError, as_api_error
 from nanovllm.entrypoints.protocol import ErrorResponse
 from nanovllm.entrypoints.streams import InFlight, merge, sse
 from nanovllm.sampling_params import SamplingParams
@@ -81,11 +81,7 @@ async def outputs_of(first: tuple[int, object], rest: AsyncIterator) -> AsyncIte
 def stream_error(error: Exception) -> str:
     """An error after a stream began can only be told in the stream: one event in OpenAI's shape (vLLM's
     way), before [DONE]."""
-    if isinstance(error, (ValueError, TypeError)):
-        error = APIError(str(error))
-    elif not isinstance(error, APIError):
-        error = APIError(f"{type(error).__name__}: {error}", status=500, type="server_error")
-    return sse(ErrorResponse(error=error.info()).model_dump_json())
+    return sse(ErrorResponse(error=as_api_error(error).info()).model_dump_json())
 
 
 def new_id(prefix: str) -> str:

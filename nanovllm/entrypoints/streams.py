@@ -68,6 +68,8 @@ class InFlight:
             self.request_ids.discard(request_id)
 
     async def abort_all(self) -> None:
+        if not getattr(self.engine, "is_running", True):
+            return      # a dead engine has failed every request already (EngineDeadError): none to abort
         for request_id in list(self.request_ids):
             await self.engine.abort(request_id)
 

@@ -44,7 +44,8 @@ class FakeEngine:
     """AsyncLLM's interface over a byte-level tokenizer: completion j of a prompt spells
     f"{j}: the quick brown fox ..." one byte-token per output; log-probs are made up (the chosen token
     -0.5, then -1.5, -2.5, ... for the next ids). A prompt containing "refuse-later" is refused by
-    generate() although check_request() passes it. Every request's end is recorded in `ended`."""
+    generate() although check_request() passes it. Every request's end is recorded in `ended`. die(reason)
+    plays the engine process's death: requests in flight and later ones raise EngineDeadError."""
     TEXT = ": the quick brown fox jumps over the lazy dog. "
 
     def __init__(self, delay: float = 0.0, max_model_len: int = 64):
@@ -59,6 +60,8 @@ class FakeEngine:
         self.checks: list = []                            # the prompt of every check, as check_request got it
         self._abort: set[str] = set()
         self.is_running = True
+        self.dead_reason: str | None = None
+        self._dead_callbacks: list = []
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.defaults
@@ -90,6 +93,9 @@ class FakeEngine:
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, *,
                        checked_token_ids: list[int] | None = None):
+        from nanovllm.async_llm import EngineDeadError
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
         ids = checked_token_ids if checked_token_ids is not None else self.check_request(prompt, params)
         if "refuse-later" in self.tokenizer.decode(ids):
             raise ValueError("refused by the engine")
@@ -105,6 +111,8 @@ class FakeEngine:
             step = 0
             while not all(done):
                 await asyncio.sleep(self.delay)
+                if self.dead_reason is not None:
+                    raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
                 deltas = []
                 for j in range(params.n):
                     if done[j]:
@@ -159,6 +167,14 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.is_running = False
+
+    def on_dead(self, callback) -> None:
+        self._dead_callbacks.append(callback)
+
+    def die(self, reason: str) -> None:
+        self.dead_reason, self.is_running = reason, False
+        for callback in self._dead_callbacks:
+            callback(reason)
 
 
 @pytest.fixture
@@ -278,3 +294,17 @@ def keyed_server(tiny_model, tmp_path_factory):
     server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("keyed") / "server.log", api_key="sesame")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def start_server(tiny_model, tmp_path):
+    """start(engine_args=SERVER_ENGINE_ARGS, slow=False) -> a server of this test's own on the tiny
+    checkpoint (a test that kills or loads it), stopped after the test."""
+    servers = []
+
+    def start(engine_args: list[str] = SERVER_ENGINE_ARGS, slow: bool = False) -> Server:
+        servers.append(Server(tiny_model, engine_args, tmp_path / f"server{len(servers)}.log", slow=slow))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,6 +1,7 @@
 """The OpenAI app over a fake engine (conftest.FakeEngine), in process: response shapes, choice numbering,
 streaming format, log-prob formats, defaults, and every bad request's 4xx in OpenAI's error shape."""
 import json
+import time
 
 import pytest
 
@@ -278,3 +279,35 @@ def test_api_key(fake_engine):
 def test_health_when_engine_stopped(client, fake_engine):
     fake_engine.shutdown()
     assert_error(client.get("/health"), 503)
+
+
+def test_engine_dead(fake_engine):
+    """Requests in flight when the engine dies get a 503 in OpenAI's shape, or, streamed, an error event and
+    then [DONE]; so do later ones, and /health says 503."""
+    import threading
+    fake_engine.delay = 0.05        # 24 steps of 50 ms: a request is still running when the engine dies
+    with TestClient(build_app(fake_engine, "fake")) as client:
+        results = {}
+
+        def post(name: str, body: dict) -> None:
+            results[name] = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 24, **body})
+
+        threads = [threading.Thread(target=post, args=(name, body)) for name, body in
+                   [("plain", {}), ("stream", {"stream": True}), ("n", {"n": 3, "stream": True})]]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while len(fake_engine.requests) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)     # a few steps: the streams have begun
+        fake_engine.die("the engine process exited (exit code -9)")
+        for thread in threads:
+            thread.join(10)
+        error = assert_error(results["plain"], 503)
+        assert error["code"] == "engine_dead" and error["type"] == "server_error" and "exit code -9" in error["message"]
+        for name in ("stream", "n"):
+            *_, last = chunks = events(results[name])
+            assert last["error"]["code"] == "engine_dead" and "exit code -9" in last["error"]["message"]
+            assert all("choices" in chunk for chunk in chunks[:-1])
+        assert assert_error(client.post("/v1/completions", json={"prompt": "a"}), 503)["code"] == "engine_dead"
+        assert_error(client.get("/health"), 503)
