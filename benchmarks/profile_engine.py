@@ -50,6 +50,8 @@ def main() -> None:
                         help="the kind of steps profiled: after 100 decode steps, or after the first 2 prefill steps")
     parser.add_argument("--profile-steps", type=int, default=20, help="steps of that kind under the profiler")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (1.1: penalties' cost)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None)
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="NCCL for every all-reduce")
     parser.add_argument("--window-only", action="store_true", help="stop after the profiled window (the per-run "
                         "totals then cover only the steps so far)")
@@ -60,11 +62,12 @@ def main() -> None:
     load_format = "dummy" if args.model is None and args.shape in DUMMY_SHAPES else "auto"   # config-only shapes
     llm = LLM(str(model), max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               enforce_eager=args.enforce_eager, disable_custom_all_reduce=args.disable_custom_all_reduce,
-              load_format=load_format)
+              load_format=load_format, quantization=args.quantization)
     temperature = 0.6 if workload.temperature is None else workload.temperature
     llm.generate(["warmup"], SamplingParams(max_tokens=4), use_tqdm=False)
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):
-        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens))
+        llm.add_request(prompt, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens,
+                                                   repetition_penalty=args.repetition_penalty))
     runner = llm.model_runner
     prepare_s = {"prefill": 0.0, "decode": 0.0}
     real_prefill, real_decode = runner.prepare_prefill, runner.prepare_decode
