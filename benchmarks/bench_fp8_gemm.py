@@ -30,7 +30,7 @@ from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py'
 from benchmarks.bench_moe import time_us  # noqa: E402  (the same CUDA-event timing, eager or one graph)
 from nanovllm.kernels import fp8_gemm  # noqa: E402
 from nanovllm.kernels.fp8_gemm import GemmConfig, SkinnyConfig  # noqa: E402
-from nanovllm.layers.quantization import quantize_weight  # noqa: E402
+from nanovllm.layers.quantization.fp8 import quantize_weight  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # (N, K)
 TOKENS = (1, 16, 256, 4096, 16384)

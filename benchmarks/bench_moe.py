@@ -26,8 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py's floor uses)
 from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, fused_moe, route  # noqa: E402
-from nanovllm.layers.fused_moe import _quantize_experts  # noqa: E402
-from nanovllm.layers.quantization import WeightQuantization  # noqa: E402
+from nanovllm.layers.quantization.fp8 import quantize_experts  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
           "mixtral": dict(hidden=4096, inter=14336, experts=8, top_k=2)}
@@ -131,10 +130,9 @@ def main() -> None:
     shape["w2"] = (0.02 * torch.randn(experts, hidden, inter, device="cuda")).bfloat16()
     shape["scales"], weight_bytes = {}, 2
     if args.fp8:
-        quantization = WeightQuantization(args.fp8)
         w13 = shape["w13"]
         (gate, gate_scale), (up, up_scale), (shape["w2"], w2_scale) = (
-            _quantize_experts(w, quantization) for w in (w13[:, :inter], w13[:, inter:], shape["w2"]))
+            quantize_experts(w, args.fp8) for w in (w13[:, :inter], w13[:, inter:], shape["w2"]))
         shape["w13"] = torch.cat([gate, up], 1)
         shape["scales"], weight_bytes = dict(w13_scale=torch.cat([gate_scale, up_scale], 1), w2_scale=w2_scale), 1
         del w13, gate, up

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from nanovllm.layers.quantization import WeightQuantization
+    from nanovllm.layers.quantization import QuantizationMethod
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("float32", "float16", "bfloat16")     # names of torch dtypes
@@ -65,9 +65,10 @@ class Config:
     enable_prefix_caching: bool = True
     disable_custom_all_reduce: bool = False
     load_format: str = "auto"
-    quantization: str | None = None     # "fp8": FP8 weights (online from bf16); an FP8 checkpoint is FP8 anyway
+    quantization: str | None = None     # a registered quantization method's name (layers/quantization), e.g.
+                                        # FP8 weights quantized online; a quantized checkpoint needs none
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    weight_quantization: WeightQuantization | None = field(init=False, default=None)
+    quant_method: QuantizationMethod = field(init=False, default=None)   # layers/quantization; set when checked
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     @classmethod
@@ -145,21 +146,15 @@ class Config:
             raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {self.dtype!r}")
 
     def _resolve_quantization(self) -> None:
-        """FP8 weights: what the checkpoint's quantization_config says (refused by name unless it is a scheme
-        layers/quantization.py runs), or quantization="fp8" on an unquantized checkpoint (online, per channel).
-        `quantization` ends up "fp8" exactly when the weights will be."""
-        import torch
-
-        from nanovllm.layers.quantization import resolve_weight_quantization
+        """The quantization method (layers/quantization's registry): what the checkpoint's quantization_config
+        says (refused by name unless a registered method reads it), or quantization=name on an unquantized
+        checkpoint (online); the model's dtype otherwise. `quantization` ends up the name of the method the
+        weights will have (None: unquantized)."""
+        from nanovllm.layers.quantization import resolve_quantization
         where = f"{self.model!r}'s config.json"
-        self.weight_quantization = resolve_weight_quantization(self.hf_config, self.quantization, where,
-                                                               self.load_format)
-        self.quantization = "fp8" if self.weight_quantization else None
-        if self.weight_quantization is None:
-            return
-        if self.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-            raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one "
-                             f"is {'.'.join(map(str, torch.cuda.get_device_capability()))}")
+        self.quant_method = resolve_quantization(self.hf_config, self.quantization, where, self.load_format)
+        self.quantization = self.quant_method.name
+        self.quant_method.check_device(self.device)
 
     def _resolve_kv_cache_dtype(self) -> None:
         """"auto": the model's dtype; "fp8": float8_e4m3fn, K and V stored as they are (scale 1.0) and

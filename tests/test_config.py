@@ -133,11 +133,12 @@ def with_quantization_config(tiny_model, tmp_path, quantization_config, architec
 
 
 def test_quantization_fp8_quantizes_an_unquantized_checkpoint_online_per_channel(tiny_model):
-    from nanovllm.layers.quantization import WeightQuantization
+    from nanovllm.layers.quantization import UNQUANTIZED
+    from nanovllm.layers.quantization.fp8 import Fp8ChannelMethod
     config = Config(str(tiny_model), quantization="fp8")
     assert config.quantization == "fp8"
-    assert config.weight_quantization == WeightQuantization("channel", online=True)
-    assert Config(str(tiny_model)).weight_quantization is None and Config(str(tiny_model)).quantization is None
+    assert config.quant_method == Fp8ChannelMethod(online=True)
+    assert Config(str(tiny_model)).quant_method is UNQUANTIZED and Config(str(tiny_model)).quantization is None
 
 
 @pytest.mark.parametrize("quantization_config, scheme", [
@@ -151,8 +152,8 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_online_per_channel
 def test_fp8_checkpoints_are_fp8_whether_or_not_asked(tiny_model, tmp_path, quantization_config, scheme, requested):
     model = with_quantization_config(tiny_model, tmp_path, quantization_config)
     config = Config(model, quantization=requested, load_format="dummy")
-    assert config.quantization == "fp8" and config.weight_quantization.scheme == scheme
-    assert config.weight_quantization.online          # dummy weights are drawn in bf16, then quantized
+    assert config.quantization == "fp8" and config.quant_method.scheme == scheme
+    assert config.quant_method.online          # dummy weights are drawn in bf16, then quantized
 
 
 @pytest.mark.parametrize("quantization_config, words", [
@@ -187,6 +188,6 @@ def test_bogus_quantization_is_refused(tiny_model):
 
 def test_fp8_applies_to_mixture_of_experts_models(tiny_model, tmp_path):
     model = with_quantization_config(tiny_model, tmp_path, BLOCK_FP8, architecture="Qwen3MoeForCausalLM")
-    assert Config(model, load_format="dummy").weight_quantization.scheme == "block"
+    assert Config(model, load_format="dummy").quant_method.scheme == "block"
     moe = write_random_checkpoint(tmp_path / "moe", architecture="MixtralForCausalLM", weights=False)
-    assert Config(str(moe), quantization="fp8", load_format="dummy").weight_quantization.scheme == "channel"
+    assert Config(str(moe), quantization="fp8", load_format="dummy").quant_method.scheme == "channel"

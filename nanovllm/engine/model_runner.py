@@ -10,10 +10,9 @@ from nanovllm.config import CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
-from nanovllm.layers.fused_moe import moe_warmup_token_counts
 from nanovllm.layers.linear import dense_warmup_token_counts
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
-from nanovllm.layers.quantization import building_with_quantization, fp8_warmup_token_counts
+from nanovllm.layers.quantization import building_with_quantization, warmup_token_counts
 from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
 from nanovllm.kernels.prefill_attention import SHORT_KEYS
 from nanovllm.layers.sampler import Sampler
@@ -68,7 +67,7 @@ class ModelRunner:
         torch.set_default_dtype(config.dtype)
         try:
             with torch.device(self.device), building_with(self.tp), \
-                    building_with_quantization(config.weight_quantization):
+                    building_with_quantization(config.quant_method):
                 self.model = model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -128,9 +127,9 @@ class ModelRunner:
         seq_len = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         budget = seq_len * max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         self._warm_prefill(budget)
-        # each MoE and FP8 GEMM kernel variant a batch can reach, and prefill attention's tiles for short
-        # key ranges (the budget's prompts may be long enough for its other tiles)
-        extra = set(moe_warmup_token_counts(self.model)) | set(fp8_warmup_token_counts(self.model)) | {SHORT_KEYS}
+        # each kernel variant a batch can reach in the layers' quantization methods (MoE, FP8 GEMMs), and
+        # prefill attention's tiles for short key ranges (the budget's prompts may be long enough for its others)
+        extra = set(warmup_token_counts(self.model)) | {SHORT_KEYS}
         for num_tokens in sorted(extra):
             if num_tokens < budget:
                 self._warm_prefill(num_tokens)

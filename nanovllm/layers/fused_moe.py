@@ -7,19 +7,20 @@ expert's intermediate dimension over the ranks, as a dense MLP's, and sums the p
 all-reduce; the router is replicated. On a GPU the Triton kernels in nanovllm.kernels.fused_moe do the
 routing and the grouped GEMMs; the torch functions here are the CPU path and the kernels' oracle.
 
-A model built under an FP8 weight quantization (layers/quantization.py) gets e4m3 experts with float32
-scales, per output row or per 128x128 block (the checkpoint's `weight_scale` / `weight_scale_inv` of each
-expert's projections, stacked as the weights are: w13's gate blocks, then its up blocks); the router stays in
-the model's dtype. Each expert computes what an FP8 linear layer computes.
+The experts hold, load and run their weights through the quantization method the model was built under
+(layers/quantization: `quant_method`, the model's dtype by default): FP8 experts are e4m3 with float32 scales,
+per output row or per 128x128 block, stacked as the weights are. The router stays in the model's dtype.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.layers.quantization import (BLOCK, FP8, WeightQuantization, current_quantization, fp8_linear_torch,
-                                          quantize_weight)
+from nanovllm.layers.quantization import current_quant_method
 from nanovllm.utils.parallel import current_group
+
+FP8 = torch.float8_e4m3fn
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top_k experts by softmax probability (in float32, largest first), and their
@@ -31,19 +32,13 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T rounded to x's dtype; FP8 weights as a quantized linear layer computes it."""
-    if scale is None:
-        return F.linear(x, weight)
-    return fp8_linear_torch(x, weight, scale, "block" if scale.dim() == 2 else "channel")
-
-
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              scaled_linear=None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) for hidden_states [T, H],
     w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; FP8 experts with their scales as
-    nanovllm.kernels.fused_moe.fused_moe takes them.
+    nanovllm.kernels.fused_moe.fused_moe takes them, each projection through scaled_linear(x, weight, scale)
+    (its quantization method's arithmetic: x @ weight^T rounded to x's dtype).
 
     The roundings are the dense MLP's: the gate/up product and the activation are rounded to the input
     dtype, as is each expert's output and its weighted value; the k weighted outputs are summed in
@@ -53,6 +48,8 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     inter_size = w13.shape[1] // 2
     # the gate's scales, then the up's: per row [E, 2I], or per block [E, 2 x row blocks, column blocks]
     up_scales = None if w13_scale is None else w13_scale.shape[1] // 2
+    if w13_scale is not None and scaled_linear is None:
+        raise ValueError("experts with weight scales need the scaled_linear that multiplies by them")
     # each (token, j) pair's weighted expert output in its own row: no index_add_ (slow on busy CPU threads)
     pair_out = torch.zeros(num_tokens * top_k, hidden_states.shape[1], dtype=torch.float32,
                            device=hidden_states.device)
@@ -63,10 +60,10 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         if w13_scale is None:
             gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
         else:
-            gate = _expert_linear(x, w13[expert, :inter_size], w13_scale[expert, :up_scales])
-            up = _expert_linear(x, w13[expert, inter_size:], w13_scale[expert, up_scales:])
+            gate = scaled_linear(x, w13[expert, :inter_size], w13_scale[expert, :up_scales])
+            up = scaled_linear(x, w13[expert, inter_size:], w13_scale[expert, up_scales:])
         act = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
-        y = _expert_linear(act, w2[expert], None if w2_scale is None else w2_scale[expert])
+        y = F.linear(act, w2[expert]) if w2_scale is None else scaled_linear(act, w2[expert], w2_scale[expert])
         pair_out[pairs] = (y.float() * topk_weights.reshape(-1)[pairs, None]).to(dtype).float()
     return pair_out.view(num_tokens, top_k, -1).sum(1).to(dtype)
 
@@ -84,42 +81,8 @@ class FusedMoE(nn.Module):
                              f"intermediate size {intermediate_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size // self.tp.size     # this rank's share
-        self.quantization = current_quantization()
-        quantized = self.quantization is not None and not self.quantization.online
-        dtype = FP8 if quantized else None
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size,
-                                                   dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, dtype=dtype),
-                                      requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
-        if self.quantization is not None and self.quantization.scheme == "block" and self.tp.size > 1 \
-                and self.intermediate_size % BLOCK:
-            raise ValueError(f"block-FP8 experts are split with their 128x128 scale blocks: the experts' "
-                             f"intermediate size per rank ({self.intermediate_size}, tensor_parallel_size="
-                             f"{self.tp.size}) must be a multiple of {BLOCK}")
-        if quantized:
-            if self.quantization.scheme == "block":
-                blocks = lambda n: -(-n // BLOCK)       # noqa: E731
-                shapes = ((num_experts, 2 * blocks(self.intermediate_size), blocks(hidden_size)),
-                          (num_experts, blocks(hidden_size), blocks(self.intermediate_size)))
-            else:
-                shapes = ((num_experts, 2 * self.intermediate_size), (num_experts, hidden_size))
-            for name, shape in zip(("w13", "w2"), shapes):
-                self._register_scale(name, torch.empty(shape, dtype=torch.float32))
-
-    def _register_scale(self, name: str, scale: torch.Tensor) -> None:
-        param = nn.Parameter(scale, requires_grad=False)
-        if self.quantization.scheme == "block":
-            param.shard_unit = BLOCK        # each entry covers 128 weight rows and 128 columns
-        param.weight_loader = self.weight_loader
-        self.register_parameter(f"{name}_{self.quantization.scale_name}", param)
-
-    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(w13's, w2's) FP8 weight scales, or (None, None) for experts in the model's dtype."""
-        if self.w13_weight.dtype != FP8:
-            return None, None
-        name = self.quantization.scale_name
-        return getattr(self, f"w13_{name}"), getattr(self, f"w2_{name}")
+        self.quant_method = current_quant_method()
+        self.quant_method.create_moe_weights(self, num_experts, hidden_size, self.intermediate_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int | None,
                       shard: str) -> None:
@@ -146,39 +109,33 @@ class FusedMoE(nn.Module):
         target.copy_(source)
 
     def process_weights_after_loading(self) -> None:
-        """Online FP8 quantization, once every expert is loaded: each expert's projections as a linear
-        layer's (the scheme's scales; block scales of gate and up separately, as a checkpoint stores them)."""
-        if self.quantization is None or not self.quantization.online or self.w13_weight.dtype == FP8:
-            return
-        inter_size = self.intermediate_size
-        for name in ("w13", "w2"):
-            weight = getattr(self, f"{name}_weight").data
-            parts = (weight[:, :inter_size], weight[:, inter_size:]) if name == "w13" else (weight,)
-            values, scales = zip(*(_quantize_experts(part, self.quantization) for part in parts))
-            setattr(self, f"{name}_weight", nn.Parameter(torch.cat(values, 1), requires_grad=False))
-            self._register_scale(name, torch.cat(scales, 1))
+        """Once every expert is loaded: the quantization method finishes the experts (online quantization)."""
+        self.quant_method.process_moe_weights_after_loading(self)
+
+    def warmup_token_counts(self) -> tuple[int, ...]:
+        """One token count per compiled variant of the MoE kernels this layer takes."""
+        return self.quant_method.moe_warmup_token_counts(self)
+
+    def run_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                    scaled_linear=None) -> torch.Tensor:
+        """The routed tokens through the stacked experts as the weights are stored (FP8 with their scales): the
+        Triton kernels on a GPU, the torch path elsewhere (scaled projections through scaled_linear)."""
+        if hidden_states.is_cuda:
+            from nanovllm.kernels import fused_moe as kernels
+            return kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                     w13_scale=w13_scale, w2_scale=w2_scale)
+        return fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, w13_scale, w2_scale,
+                         scaled_linear)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        w13_scale, w2_scale = self.scales()
         if hidden_states.is_cuda:
             from nanovllm.kernels import fused_moe as kernels
             topk_weights, topk_ids = kernels.route(router_logits, self.top_k, self.renormalize)
-            out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                    w13_scale=w13_scale, w2_scale=w2_scale)
         else:
             topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
-            out = fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, w13_scale,
-                            w2_scale)
+        out = self.quant_method.apply_moe(self, hidden_states, topk_weights, topk_ids)
         return self.tp.all_reduce(out)
-
-
-def _quantize_experts(weights: torch.Tensor, quantization: WeightQuantization) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> (e4m3 [E, N, K], scales [E, N] or [E, ceil(N/128), ceil(K/128)]), expert by expert."""
-    if quantization.scheme == "channel":
-        values, scales = quantize_weight(weights.reshape(-1, weights.shape[-1]), "channel")
-        return values.view(weights.shape), scales.view(weights.shape[:2])
-    values, scales = zip(*(quantize_weight(w, "block") for w in weights))
-    return torch.stack(values), torch.stack(scales)
 
 
 class SparseMoeBlock(nn.Module):
@@ -195,10 +152,3 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.gate(hidden_states))
 
-
-def moe_warmup_token_counts(model: nn.Module) -> tuple[int, ...]:
-    """One token count per compiled variant of the MoE kernels, for a model with MoE layers (else none):
-    the engine runs each at start-up, so that no request pays for a compilation."""
-    from nanovllm.kernels.fused_moe import config_token_counts
-    shapes = {(m.top_k, m.num_experts) for m in model.modules() if isinstance(m, FusedMoE)}
-    return tuple(sorted({t for shape in shapes for t in config_token_counts(*shape)}))

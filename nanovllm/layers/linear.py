@@ -4,8 +4,9 @@ Column-parallel layers split the output features (no communication); row-paralle
 input features and all-reduce their partial sums. Each parameter's `weight_loader` copies its own
 shard out of a full checkpoint tensor.
 
-A model built under an FP8 weight quantization (layers/quantization.py) gets these layers with e4m3 weights
-and their scales, split over the ranks with the weights; ReplicatedLinear (the MoE router) stays in the
+Every layer holds, loads and runs its weight through the quantization method it was built under
+(layers/quantization: `self.quant_method`, the model's dtype by default); a quantized layer's extra parameters
+(FP8 scales, ...) are split over the ranks with the weights. ReplicatedLinear (the MoE router) stays in the
 model's dtype.
 """
 import torch
@@ -13,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import skinny_gemm
-from nanovllm.layers.quantization import (create_fp8_weights, current_quantization, fp8_linear,
-                                          quantize_after_loading)
+from nanovllm.layers.quantization import UNQUANTIZED, current_quant_method
 from nanovllm.utils.parallel import current_group
 
 
@@ -38,7 +38,7 @@ def _divide(numerator: int, denominator: int) -> int:
 
 
 class LinearBase(nn.Module):
-    quantizable = True      # False: never FP8 (ReplicatedLinear: the MoE router, kept precise as in vLLM)
+    quantizable = True      # False: never quantized (ReplicatedLinear: the MoE router, kept precise as in vLLM)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None,
                  output_parts: list[int] | None = None):
@@ -47,13 +47,9 @@ class LinearBase(nn.Module):
         self.tp = current_group()
         self.tp_dim = tp_dim
         self.input_size, self.output_size = input_size, output_size
-        self.quantization = current_quantization() if self.quantizable else None
-        if self.quantization is None:
-            self.weight = nn.Parameter(torch.empty(output_size, input_size))
-            self.weight.weight_loader = self.weight_loader
-        else:
-            create_fp8_weights(self, self.quantization, output_parts or [output_size], input_size, self.tp.size,
-                               input_split=tp_dim == 1)
+        self.quant_method = current_quant_method() if self.quantizable else UNQUANTIZED
+        self.quant_method.create_weights(self, input_size, output_parts or [output_size], self.tp.size,
+                                         input_split=tp_dim == 1)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -63,8 +59,9 @@ class LinearBase(nn.Module):
     def _copy_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, offset: int, size: int,
                     shard_index: int) -> None:
         """Copy this rank's slice (shard_index of loaded_weight along tp_dim) into param[offset:offset+size].
-        offset and size count weight rows (columns for row-parallel layers); an FP8 block-scale parameter's
-        entries each cover `shard_unit` (128) of them (shards start on blocks: create_fp8_weights checks)."""
+        offset and size count weight rows (columns for row-parallel layers); a parameter with a `shard_unit`
+        (FP8 block scales: 128) has entries that each cover that many (shards start on them: its quantization
+        method checks)."""
         unit = getattr(param, "shard_unit", 1)
         offset, size = offset // unit, -(-size // unit)
         target = param.data.narrow(self.tp_dim, offset, size)
@@ -77,14 +74,15 @@ class LinearBase(nn.Module):
         target.copy_(source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantization is not None:
-            return fp8_linear(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def process_weights_after_loading(self) -> None:
-        """Called by the loader once every checkpoint tensor is in: online FP8 quantization happens here."""
-        if self.quantization is not None:
-            quantize_after_loading(self, self.quantization)
+        """Called by the loader once every checkpoint tensor is in: online quantization happens here."""
+        self.quant_method.process_weights_after_loading(self)
+
+    def warmup_token_counts(self) -> tuple[int, ...]:
+        """Token counts whose prefill compiles each kernel variant this layer can take."""
+        return self.quant_method.warmup_token_counts(self)
 
 
 class ReplicatedLinear(LinearBase):
@@ -153,8 +151,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        y = F.linear(x, self.weight, bias) if self.quantization is None else fp8_linear(self, x, bias)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.quant_method.apply(self, x, bias))
 
 
 def dense_warmup_token_counts() -> tuple[int, ...]:

@@ -1,5 +1,9 @@
 """Load safetensors weights into a model, letting each parameter's weight_loader take its shard, then let
-each module finish its weights (`process_weights_after_loading`: online FP8 quantization)."""
+each module finish its weights (`process_weights_after_loading`: online quantization).
+
+What depends on a quantization scheme is asked of the layers' quantization methods (`quant_method`, which the
+layers carry): this module tests no scheme's name (it only refuses FP8 values for a parameter of another
+dtype, whatever the scheme)."""
 import re
 from glob import glob
 from pathlib import Path
@@ -9,10 +13,9 @@ from safetensors import safe_open
 from torch import nn
 
 # a checkpoint's per-expert tensor: "...experts.{e}.{name}.weight" (Qwen: gate_proj/up_proj/down_proj,
-# Mixtral: w1/w3/w2), or its FP8 scales ("....weight_scale_inv", "....weight_scale"); the model's stacked
-# parameters are "...experts.w13_weight" (gate, up) and "w2_weight", and their scales "w13_weight_scale_inv"...
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\."
-                            r"(?P<tensor>weight|weight_scale|weight_scale_inv)$")
+# Mixtral: w1/w3/w2), or a tensor its quantization keeps beside it ("....weight_scale_inv"); the model's stacked
+# parameters are "...experts.w13_weight" (gate, up) and "w2_weight", and the others "w13_weight_scale_inv"...
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.(?P<tensor>\w+)$")
 _STACKED_SHARDS = {"w13": ("gate", "up"), "w2": ("down",)}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -34,7 +37,7 @@ def _checked(checkpoint_name: str, tensor: torch.Tensor, param: nn.Parameter) ->
 
 
 def after_loading(model: nn.Module) -> None:
-    """Every module that finishes its weights once they are all in (online FP8 quantization) does so now."""
+    """Every module that finishes its weights once they are all in (online quantization) does so now."""
     for module in model.modules():
         finish = getattr(module, "process_weights_after_loading", None)
         if finish is not None:
@@ -44,9 +47,11 @@ def after_loading(model: nn.Module) -> None:
 def load_model(model: nn.Module, path: str) -> None:
     """Packed modules (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are mapped through the model's
     `packed_modules_mapping`, per-expert tensors of MoE families into the stacked experts through its
-    `expert_shards`; names the model does not have (e.g. rotary caches) are skipped. FP8 checkpoints' scale
-    tensors (`*.weight_scale_inv`, `*.weight_scale`) follow their weights through the same mapping; static
-    activation scales (`*.input_scale`) are refused."""
+    `expert_shards`; names the model does not have (e.g. rotary caches) are skipped, but for those a
+    quantization method knows (FP8 scales the model was not built for, static activation scales): refused,
+    saying what they are. The tensors a quantization keeps beside a weight (FP8 scales: `*.weight_scale_inv`,
+    `*.weight_scale`) follow it through the same mapping."""
+    methods = _quantization_methods(model)
     packed = getattr(model, "packed_modules_mapping", {})
     renamed = getattr(model, "renamed_modules", {})
     expert_shards = getattr(model, "expert_shards", {})
@@ -55,9 +60,6 @@ def load_model(model: nn.Module, path: str) -> None:
     for file in sorted(glob(str(Path(path) / "*.safetensors"))):
         with safe_open(file, "pt", "cpu") as f:
             for checkpoint_name in f.keys():
-                if checkpoint_name.endswith(".input_scale"):
-                    raise ValueError(f"checkpoint {path!r} has static activation scales ({checkpoint_name}); only "
-                                     f"dynamic activation scaling is supported")
                 name = checkpoint_name
                 for source, target in renamed.items():
                     name = name.replace(f".{source}.", f".{target}.")
@@ -65,9 +67,9 @@ def load_model(model: nn.Module, path: str) -> None:
                 if expert is not None:
                     param_name, expert_id, shard = expert
                     param = params.get(param_name)
-                    if param is None and not param_name.endswith("_weight"):
-                        _refuse_unexpected_scales(path, checkpoint_name)
-                    if param is not None:
+                    if param is None:
+                        _refuse_quantization_tensor(path, checkpoint_name, methods)
+                    else:
                         param.weight_loader(param, f.get_tensor(checkpoint_name), expert_id, shard)
                         loaded.add((param_name, expert_id, shard))
                     continue
@@ -78,8 +80,7 @@ def load_model(model: nn.Module, path: str) -> None:
                         break
                 param = params.get(name)
                 if param is None:
-                    if name.endswith((".weight_scale", ".weight_scale_inv")):
-                        _refuse_unexpected_scales(path, checkpoint_name)
+                    _refuse_quantization_tensor(path, checkpoint_name, methods)
                     continue
                 tensor = _checked(checkpoint_name, f.get_tensor(checkpoint_name), param)
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
@@ -91,10 +92,22 @@ def load_model(model: nn.Module, path: str) -> None:
     after_loading(model)
 
 
-def _refuse_unexpected_scales(path: str, checkpoint_name: str) -> None:
-    raise ValueError(f"checkpoint {path!r} has FP8 weight scales ({checkpoint_name}) that the model does not "
-                     f"expect: its config.json lacks the quantization_config that describes them (or names a "
-                     f"different scheme)")
+def _quantization_methods(model: nn.Module) -> list:
+    """The quantization methods the model's layers were built with (each layer carries its `quant_method`)."""
+    methods = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            methods.setdefault(id(method), method)
+    return list(methods.values())
+
+
+def _refuse_quantization_tensor(path: str, checkpoint_name: str, methods: list) -> None:
+    """A checkpoint tensor no parameter takes: refused if a quantization method knows what it is."""
+    for method in methods:
+        what = method.unexpected_tensor(checkpoint_name)
+        if what is not None:
+            raise ValueError(f"checkpoint {path!r} has {what}")
 
 
 def _experts_complete(name: str, param: nn.Parameter, loaded: set) -> bool:
@@ -106,7 +119,7 @@ def _experts_complete(name: str, param: nn.Parameter, loaded: set) -> bool:
 def load_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """load_format="dummy": random weights of a trained model's scale, drawn on the parameters' device
     from a seeded generator (the same model each run): matrices ~ N(0, std^2) (`initializer_range`),
-    norm weights one, biases zero. FP8 layers hold their weights in the model's dtype until after_loading
+    norm weights one, biases zero. Quantized layers hold their weights in the model's dtype until after_loading
     quantizes them (Config makes dummy weights quantize online)."""
     generator = None
     for name, param in model.named_parameters():

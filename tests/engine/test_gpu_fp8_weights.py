@@ -56,12 +56,15 @@ def exercise_without_compiling(llm):
     assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
 
 
-def torch_path(layer, x, bias):
-    """layers/quantization.py's CPU arithmetic, run on the GPU: the oracle for the engine's kernels."""
-    from nanovllm.layers.quantization import fp8_linear_torch
-    scheme = layer.quantization.scheme
-    y = fp8_linear_torch(x, layer.weight, getattr(layer, layer.quantization.scale_name), scheme)
+def torch_path(method, layer, x, bias):
+    """layers/quantization/fp8.py's CPU arithmetic, run on the GPU: the oracle for the engine's kernels (in
+    place of Fp8Method.apply)."""
+    from nanovllm.layers.quantization.fp8 import fp8_linear_torch
+    y = fp8_linear_torch(x, layer.weight, getattr(layer, method.scale_name), method.scheme)
     return y if bias is None else y + bias
+
+
+FP8_APPLY = "nanovllm.layers.quantization.fp8.Fp8Method.apply"     # what torch_path stands in for
 
 
 def check_kernels_against_the_torch_path(what, kernels, oracle):
@@ -93,7 +96,7 @@ def test_online_fp8_weights_track_bf16_with_graphs_and_an_fp8_cache(make_checkpo
         logprobs["fp8 + fp8 cache"] = forced_logprobs(llm, prompts, continuations)
         exercise_without_compiling(llm)
     with monkeypatch.context() as patch:
-        patch.setattr("nanovllm.layers.linear.fp8_linear", torch_path)
+        patch.setattr(FP8_APPLY, torch_path)
         with LLM(str(model_dir), quantization="fp8", **ENGINE) as llm:
             logprobs["torch path"] = forced_logprobs(llm, prompts, continuations)
     check_kernels_against_the_torch_path("online FP8", logprobs["fp8"], logprobs["torch path"])
@@ -128,7 +131,7 @@ def test_block_fp8_weights_track_bf16(tmp_path, monkeypatch):
         fp8 = forced_logprobs(llm, prompts, continuations)
         exercise_without_compiling(llm)
     with monkeypatch.context() as patch:
-        patch.setattr("nanovllm.layers.linear.fp8_linear", torch_path)
+        patch.setattr(FP8_APPLY, torch_path)
         with LLM(str(block), load_format="dummy", **ENGINE) as llm:
             check_kernels_against_the_torch_path("block FP8", fp8, forced_logprobs(llm, prompts, continuations))
     stats = report("block FP8 weights (dummy)", fp8, bf16)
@@ -138,7 +141,10 @@ def test_block_fp8_weights_track_bf16(tmp_path, monkeypatch):
 def moe_torch_path(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
     """layers/fused_moe.py's torch experts (each an FP8 linear layer's arithmetic), run on the GPU."""
     from nanovllm.layers.fused_moe import fused_moe
-    return fused_moe(x, w13, w2, topk_weights, topk_ids.long(), w13_scale, w2_scale)
+    from nanovllm.layers.quantization.fp8 import fp8_linear_torch
+    scheme = "block" if w13_scale.dim() == 3 else "channel"
+    return fused_moe(x, w13, w2, topk_weights, topk_ids.long(), w13_scale, w2_scale,
+                     lambda rows, weight, scale: fp8_linear_torch(rows, weight, scale, scheme))
 
 
 def with_config(source, target, quantization_config):
@@ -172,7 +178,7 @@ def test_fp8_experts_track_bf16(tmp_path, monkeypatch):
             logprobs[f"{what} eager"] = forced_logprobs(llm, prompts, continuations, use_graphs=False)
             exercise_without_compiling(llm)
         with monkeypatch.context() as patch:
-            patch.setattr("nanovllm.layers.linear.fp8_linear", torch_path)
+            patch.setattr(FP8_APPLY, torch_path)
             patch.setattr("nanovllm.kernels.fused_moe.fused_moe", moe_torch_path)
             with LLM(str(model_dir), load_format="dummy", enforce_eager=True, **ENGINE, **kwargs) as llm:
                 oracle = forced_logprobs(llm, prompts, continuations, use_graphs=False)

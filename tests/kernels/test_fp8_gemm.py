@@ -1,4 +1,4 @@
-"""The FP8 GEMM kernels against the torch path (nanovllm.layers.quantization): under Triton's interpreter on
+"""The FP8 GEMM kernels against the torch path (nanovllm.layers.quantization.fp8): under Triton's interpreter on
 small shapes (CPU), and at full size, through cuBLASLt's _scaled_mm and CUDA graphs on the GPU."""
 from dataclasses import replace
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nanovllm.kernels import fp8_gemm, skinny_gemm
-from nanovllm.layers.quantization import (dequantize_weight, fp8_linear_torch, quantize_activations,
-                                          quantize_weight)
+from nanovllm.layers.quantization.fp8 import (dequantize_weight, fp8_linear_torch, quantize_activations,
+                                              quantize_weight)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"      # the small-shape tests: the interpreter on CPU, compiled on a GPU

@@ -5,14 +5,14 @@ and column tiles); on a GPU at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, under 
 compilation past the warm-up's token counts. float32 agrees to rounding of the sums' order; bfloat16 to a
 few units in the last place (the oracle rounds at the same points: gate, up, silu, product, expert output,
 weighted output, and the k-sum once). FP8 experts (per-row and 128x128-block scales) against the oracle's
-FP8 arithmetic (nanovllm.layers.quantization's torch path, expert by expert) the same way."""
+FP8 arithmetic (nanovllm.layers.quantization.fp8's torch path, expert by expert) the same way."""
 import pytest
 import torch
 
 from nanovllm.kernels import fused_moe as kernels
 from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, config_token_counts, group_pairs
 from nanovllm.layers import fused_moe as oracle
-from nanovllm.layers.quantization import WeightQuantization
+from nanovllm.layers.quantization.fp8 import fp8_linear_torch, quantize_experts
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -55,10 +55,18 @@ def _check(out, ref, ulps, max_normwise=1.0):
 def _fp8_experts(w13, w2, scheme):
     """The experts quantized as online FP8 quantization does: (w13, w2, w13_scale, w2_scale); block scales
     of gate and up separately ([E, 2 x row blocks, column blocks])."""
-    inter, quantization = w13.shape[1] // 2, WeightQuantization(scheme)
+    inter = w13.shape[1] // 2
     (gate, gate_scale), (up, up_scale), (down, down_scale) = (
-        oracle._quantize_experts(w, quantization) for w in (w13[:, :inter], w13[:, inter:], w2))
+        quantize_experts(w, scheme) for w in (w13[:, :inter], w13[:, inter:], w2))
     return torch.cat([gate, up], 1), down, torch.cat([gate_scale, up_scale], 1), down_scale
+
+
+def scaled_linear(w13_scale):
+    """The oracle's FP8 projection for experts with these scales (per row [E, 2I], per block [E, ., .])."""
+    if w13_scale is None:
+        return None
+    scheme = "block" if w13_scale.dim() == 3 else "channel"
+    return lambda x, weight, scale: fp8_linear_torch(x, weight, scale, scheme)
 
 
 def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None, w13_scale=None, w2_scale=None):
@@ -67,7 +75,7 @@ def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None, w13_scale=N
         matmul = torch.backends.cuda.matmul
         reduced, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, False
     try:
-        ref = oracle.fused_moe(x, w13, w2, weights, ids.long(), w13_scale, w2_scale)
+        ref = oracle.fused_moe(x, w13, w2, weights, ids.long(), w13_scale, w2_scale, scaled_linear(w13_scale))
     finally:
         if x.is_cuda:
             matmul.allow_bf16_reduced_precision_reduction = reduced

@@ -10,13 +10,14 @@ import torch
 from fp8_checkpoint import block_quantize, channel_quantize
 from nanovllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                     ReplicatedLinear, RowParallelLinear)
-from nanovllm.layers.quantization import (FP8, WeightQuantization, building_with_quantization, dequantize_weight,
-                                          fp8_linear_torch, quantize_activations, quantize_weight)
+from nanovllm.layers.quantization import building_with_quantization
+from nanovllm.layers.quantization.fp8 import (FP8, Fp8BlockMethod, Fp8ChannelMethod, dequantize_weight,
+                                              fp8_linear_torch, quantize_activations, quantize_weight)
 from nanovllm.utils.loader import after_loading, load_model
 from nanovllm.utils.parallel import TensorParallelGroup, building_with
 
-BLOCK = WeightQuantization("block")
-CHANNEL = WeightQuantization("channel")
+BLOCK = Fp8BlockMethod()
+CHANNEL = Fp8ChannelMethod()
 
 
 def reference_linear(x, q_w, s_w, scheme):
@@ -176,7 +177,7 @@ def test_block_shards_must_start_on_blocks():
 
 
 def test_online_quantization_happens_after_every_shard_is_loaded():
-    online = WeightQuantization("channel", online=True)
+    online = Fp8ChannelMethod(online=True)
     layer = build(MergedColumnParallelLinear, online, 256, [128, 128])
     assert layer.weight.dtype == torch.float32 and not hasattr(layer, "weight_scale")
     gate, up = torch.randn(128, 256), torch.randn(128, 256)

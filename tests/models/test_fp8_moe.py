@@ -59,8 +59,8 @@ def test_block_fp8_experts_are_the_dequantized_weights(checkpoints, positions, m
     transformers runs (scales, gate/up blocks, shards and layout all right): the same log-probs to float32
     summation order (mean KL under 1e-7: Mixtral measures 1.3e-8 against transformers 5.24, whose experts
     sum in another order; one wrong scale block costs orders of magnitude more)."""
-    from nanovllm.layers import quantization
-    monkeypatch.setattr(quantization, "quantize_activations", unquantized_activations)
+    from nanovllm.layers.quantization import fp8
+    monkeypatch.setattr(fp8, "quantize_activations", unquantized_activations)
     logprobs, weights = ours(checkpoints["block"], positions)
     experts = "model.layers.1.mlp.experts"
     assert weights[f"{experts}.w13_weight"].dtype == weights[f"{experts}.w2_weight"].dtype == torch.float8_e4m3fn
