@@ -161,17 +161,27 @@ class BlockManager:
         child.block_table[-1] = self._allocate_block(self.free_block_ids[0]).block_id
         return last, child.block_table[-1]
 
-    def share_prompt(self, source: Sequence, seq: Sequence) -> None:
+    def share_prompt(self, source: Sequence, seq: Sequence) -> tuple[int, int] | None:
         """seq, a completion of source's request that cannot start yet, takes a reference to each of
         source's blocks that holds prompt tokens only and not the prompt's last token: they stay alive
         for it (prefix cache or not), and when it starts it computes just the rest of the prompt, whose
-        last token gives its first token's logits."""
+        last token gives its first token's logits. A prompt that ends on a block boundary would leave a
+        whole block to recompute: seq gets its own copy of that block instead (returned as (source's
+        block, seq's block), to copy once this step has written it, as fork does), if a block is free,
+        and then recomputes only the prompt's last token, into its copy."""
         assert not seq.block_table and len(source.block_table) * self.block_size >= source.num_prompt_tokens
-        num_shared = (source.num_prompt_tokens - 1) // self.block_size
+        num_prompt_tokens = source.num_prompt_tokens
+        num_shared = (num_prompt_tokens - 1) // self.block_size
         seq.block_table = source.block_table[:num_shared]
         for block_id in seq.block_table:
             self.blocks[block_id].ref_count += 1
         seq.num_cached_tokens = num_shared * self.block_size
+        if num_prompt_tokens % self.block_size or not self.free_block_ids:
+            return None
+        last = source.block_table[num_shared]
+        seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
+        seq.num_cached_tokens = num_prompt_tokens - 1
+        return last, seq.block_table[-1]
 
     def hash_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Register seq's full blocks whose KV is computed, or will be by a step already scheduled

@@ -137,7 +137,9 @@ class Scheduler:
             rest = seq.fork(seq.index + num_children + 1)
             rest.status = SequenceStatus.WAITING
             rest.num_forks = num_left - 1
-            self.block_manager.share_prompt(seq, rest)
+            copy = self.block_manager.share_prompt(seq, rest)
+            if copy is not None:
+                self.block_copies.append(copy)
             self.waiting.appendleft(rest)
         return children
 

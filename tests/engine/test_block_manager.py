@@ -183,7 +183,7 @@ def test_num_forkable_counts_free_blocks_for_partial_copies_only():
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("prompt_len, num_shared", [(9, 2), (8, 1), (3, 0)])
+@pytest.mark.parametrize("prompt_len, num_shared", [(9, 2), (3, 0)])
 def test_share_prompt_holds_the_full_blocks_before_the_last_token(prefix_caching, prompt_len, num_shared):
     """A completion waiting to start holds the prompt's blocks that do not hold its last token (by
     reference, so without the prefix cache too) and, once allocated, computes only the rest."""
@@ -203,6 +203,35 @@ def test_share_prompt_holds_the_full_blocks_before_the_last_token(prefix_caching
     check_invariants(bm, [waiter])
     bm.deallocate(waiter)
     assert bm.num_free_blocks == 8 and not bm.used_block_ids
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_share_prompt_copies_a_full_last_block_so_only_the_last_token_is_recomputed(prefix_caching):
+    """A prompt that ends on a block boundary: the waiting completion shares the blocks before the last
+    and gets its own copy of the last (to copy once the step that writes it has run), so when it starts
+    it recomputes the prompt's last token alone, into a block nobody else reads. With no free block for
+    the copy it shares the blocks before the last and recomputes the last block whole, as before."""
+    bm = BlockManager(4, BS, prefix_caching)
+    source = computed(bm, allocated(bm, seq_of(range(8))))      # 2 full blocks
+    waiter = source.fork(1)
+    copy = bm.share_prompt(source, waiter)
+    assert copy == (source.block_table[1], waiter.block_table[1])
+    assert waiter.block_table[0] == source.block_table[0] and waiter.num_cached_tokens == 7
+    assert bm.blocks[waiter.block_table[1]].ref_count == 1 and len(waiter.block_table) == waiter.num_blocks
+    check_invariants(bm, [source, waiter])
+    bm.deallocate(source)
+    assert bm.can_allocate(waiter)
+    bm.allocate(waiter)                                  # nothing more to take: it holds every block
+    assert waiter.num_cached_tokens == 7 and len(waiter.block_table) == 2
+    check_invariants(bm, [waiter])
+    bm.deallocate(waiter)
+    assert bm.num_free_blocks == 4
+
+    full = BlockManager(2, BS, prefix_caching)
+    source = computed(full, allocated(full, seq_of(range(8))))  # the pool is full: no block for a copy
+    waiter = source.fork(1)
+    assert full.share_prompt(source, waiter) is None
+    assert waiter.block_table == source.block_table[:1] and waiter.num_cached_tokens == BS
 
 
 def test_a_waiting_completion_needs_free_blocks_for_its_prompts_tail_only():

@@ -20,6 +20,7 @@ BLOCK = 16
 VOCAB = 512                                              # the tiny checkpoint's
 PROMPT = random_prompts(1, VOCAB, (20, 20), seed=2301)[0]   # a full block and a tail of 4 tokens
 TAIL = len(PROMPT) % BLOCK
+ALIGNED = random_prompts(1, VOCAB, (2 * BLOCK, 2 * BLOCK), seed=2302)[0]   # ends on a block boundary
 N = 3000
 FILTERS = [dict(top_k=20), dict(top_p=0.3), dict(min_p=0.4)]     # each keeps 10 to 25 tokens here
 
@@ -96,13 +97,16 @@ def cramped(tiny_model):
         yield llm
 
 
-def test_n_above_max_num_seqs_gives_every_completion_in_order_whatever_its_wave(roomy, cramped, monkeypatch):
+@pytest.mark.parametrize("prompt", [PROMPT, ALIGNED], ids=["partial-last-block", "block-aligned"])
+def test_n_above_max_num_seqs_gives_every_completion_in_order_whatever_its_wave(roomy, cramped, monkeypatch,
+                                                                                 prompt):
     """n=60 with decode: all at once on the roomy engine, a few at a time through preemption on the
     cramped one (each completion grows into a third block: 4 of them need 9 blocks); seeded, the two
-    give the same completions in the same order. The cache's invariants hold after every step, and it
-    is all free at the end."""
+    give the same completions in the same order, whether the prompt ends inside a block or on its
+    boundary (later waves then copy the prompt's last block and recompute its last token alone). The
+    cache's invariants hold after every step, and it is all free at the end."""
     params = SamplingParams(n=60, max_tokens=14, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
-    at_once = roomy.generate([PROMPT], params, use_tqdm=False)[0]
+    at_once = roomy.generate([prompt], params, use_tqdm=False)[0]
     scheduler, real_step = cramped.scheduler, cramped._step
     preemptions = scheduler.num_preemptions
 
@@ -113,18 +117,21 @@ def test_n_above_max_num_seqs_gives_every_completion_in_order_whatever_its_wave(
         check_invariants(scheduler.block_manager, live)
         return result
     monkeypatch.setattr(cramped, "_step", checked_step)
-    in_waves = cramped.generate([PROMPT], params, use_tqdm=False)[0]
-    assert scheduler.num_preemptions > preemptions
+    in_waves = cramped.generate([prompt], params, use_tqdm=False)[0]
+    if prompt is PROMPT:     # the aligned prompt's completions share its two blocks whole: they fit without
+        assert scheduler.num_preemptions > preemptions
     assert len(in_waves["outputs"]) == 60 and len({tuple(c["token_ids"]) for c in in_waves["outputs"]}) > 50
     assert in_waves == at_once
     assert_idle(cramped)
 
 
-def test_later_waves_compute_only_the_prompts_tail_without_the_prefix_cache(tiny_model):
-    """The prompt's full block is shared by reference, not found in a cache: every wave after the first
-    prefills the prompt's last partial block alone (once, for all of the wave)."""
+@pytest.mark.parametrize("prompt, tail", [(PROMPT, TAIL), (ALIGNED, 1)], ids=["partial-last-block", "block-aligned"])
+def test_later_waves_compute_only_the_prompts_tail_without_the_prefix_cache(tiny_model, prompt, tail):
+    """The prompt's full blocks are shared by reference, not found in a cache: every wave after the first
+    prefills the prompt's last partial block alone (once, for all of the wave); a prompt that ends on a
+    block boundary, its last token alone (into a copy of the last block, not a whole block again)."""
     with engine(tiny_model, num_kvcache_blocks=12, max_num_seqs=64, enable_prefix_caching=False) as llm:
-        llm.add_request(PROMPT, first_tokens(dict(seed=3)))
+        llm.add_request(prompt, first_tokens(dict(seed=3)))
         prefills = []
         num_done = 0
         while not llm.is_finished():
@@ -133,8 +140,9 @@ def test_later_waves_compute_only_the_prompts_tail_without_the_prefix_cache(tiny
             if num_tokens > 0:
                 prefills.append(num_tokens)
         assert num_done == N and llm.stats["num_preemptions"] == 0
-        assert prefills[0] == len(PROMPT) and set(prefills[1:]) == {TAIL}
-        assert len(prefills) > N // 12                      # 12 blocks: waves of 11 at most, not 64
+        assert prefills[0] == len(prompt) and set(prefills[1:]) == {tail}
+        if tail > 1:       # 12 blocks: waves of 11 at most, not 64 (each completion copies the partial block)
+            assert len(prefills) > N // 12
         assert_idle(llm)
 
 
