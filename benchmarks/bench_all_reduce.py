@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanovllm.utils.parallel import TensorParallelGroup
-from nanovllm.utils.peer_memory import PeerAllReduce, max_one_shot_bytes
+from nanovllm.distributed.group import TensorParallelGroup
+from nanovllm.distributed.peer_memory import PeerAllReduce, max_one_shot_bytes
 
 TOKENS = (1, 8, 64, 256, 512, 1024, 2048, 8192)
 CALLS = 50

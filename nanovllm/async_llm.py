@@ -20,13 +20,13 @@ from collections.abc import AsyncIterator, Callable
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.distributed.workers import refuse_in_spawn_bootstrap
 from nanovllm.engine.chat_template import default_sampling_params, render_chat
 from nanovllm.engine.engine_core import run_engine_core
 from nanovllm.engine.messages import (AbortRequest, AddRequest, CompletionUpdate, Fatal, FinishCompletion, Ready,
                                       Refused, Shutdown, Stats, StepOutputs, refusal)
 from nanovllm.engine.output_processor import CompletionDelta, OutputProcessor, RequestOutput
 from nanovllm.engine.request_check import RequestLimits, checked_request
-from nanovllm.engine.tensor_parallel import refuse_in_spawn_bootstrap
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.histogram import Histogram
 

@@ -1,10 +1,12 @@
 import atexit
+from functools import partial
 from time import perf_counter
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.distributed.workers import Workers, refuse_in_spawn_bootstrap
 from nanovllm.engine.messages import CompletionUpdate
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
@@ -12,7 +14,6 @@ from nanovllm.engine.step_outputs import completion_updates, record_logprobs, re
 from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tensor_parallel import Workers, refuse_in_spawn_bootstrap
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -32,7 +33,8 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         if self.tokenizer.eos_token_id is not None:
             config.eos_token_ids = config.eos_token_ids | {self.tokenizer.eos_token_id}
-        self.workers = Workers(config)      # ranks 1..N-1 start building beside rank 0
+        # ranks 1..N-1 start building beside rank 0, each its own ModelRunner
+        self.workers = Workers(config.tensor_parallel_size, config.device, partial(ModelRunner, config))
         try:
             self.model_runner = ModelRunner(config, 0, self.workers.join_group())
             self.workers.open_channel()

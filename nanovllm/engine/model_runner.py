@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.distributed.group import TensorParallelGroup, building_with, rank_device
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.layers.attention import Attention, attention_ops
@@ -20,15 +21,9 @@ from nanovllm.models import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
-from nanovllm.utils.parallel import TensorParallelGroup, building_with
 from nanovllm.utils.transfer import to_device
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
-
-
-def rank_device(config: Config, rank: int) -> torch.device:
-    """Rank r runs on GPU r (one process per GPU), or on the CPU."""
-    return torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
 
 
 class ModelRunner:
@@ -36,7 +31,7 @@ class ModelRunner:
     attention metadata, replays CUDA graphs for decode, and (rank 0) samples.
 
     With tensor parallelism every rank has one, in its own process (rank 0 in the caller's), and the
-    engine has each rank call the same methods in the same order (engine/tensor_parallel.py).
+    engine has each rank call the same methods in the same order (distributed/workers.py).
     """
 
     def __init__(self, config: Config, rank: int = 0, group: TensorParallelGroup | None = None):
@@ -45,7 +40,7 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager or config.device == "cpu"
         self.world_size = config.tensor_parallel_size
         self.rank = rank
-        self.device = rank_device(config, rank)
+        self.device = rank_device(config.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             gc.collect()                # a dropped engine caught in a reference cycle (a failed start's traceback)
@@ -62,7 +57,7 @@ class ModelRunner:
         """The model, its weights, the KV cache and (unless eager) the decode graphs."""
         config, hf_config = self.config, self.config.hf_config
         if self.device.type == "cuda" and self.world_size > 1 and not config.disable_custom_all_reduce:
-            self.tp.enable_peer_all_reduce(self.device, [rank_device(config, r) for r in range(self.world_size)])
+            self.tp.enable_peer_all_reduce(self.device, [rank_device(config.device, r) for r in range(self.world_size)])
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:

@@ -1,6 +1,6 @@
 """Triton one-shot all-reduce over peer memory: every rank reads every rank's buffer and sums.
 
-Each rank owns a buffer and a flag array that all ranks have mapped (utils/peer_memory.py). A call runs
+Each rank owns a buffer and a flag array that all ranks have mapped (distributed/peer_memory.py). A call runs
 a fixed grid of PROGRAMS programs on every rank; program p takes one contiguous chunk of the tensor:
 
 1. copies its chunk of x into this rank's buffer,

@@ -5,7 +5,7 @@ from torch import nn
 from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.linear import dense_linear
 from nanovllm.utils.context import get_context
-from nanovllm.utils.parallel import current_group
+from nanovllm.distributed.group import current_group
 
 
 class VocabParallelEmbedding(nn.Module):

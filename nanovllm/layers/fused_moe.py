@@ -17,7 +17,7 @@ from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.quantization import current_quant_method
-from nanovllm.utils.parallel import current_group
+from nanovllm.distributed.group import current_group
 
 FP8 = torch.float8_e4m3fn
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.quantization import UNQUANTIZED, current_quant_method
-from nanovllm.utils.parallel import current_group
+from nanovllm.distributed.group import current_group
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

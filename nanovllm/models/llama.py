@@ -14,7 +14,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from nanovllm.utils.parallel import current_group
+from nanovllm.distributed.group import current_group
 
 
 class LlamaAttention(nn.Module):

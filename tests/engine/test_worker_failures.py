@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
-from nanovllm.engine.tensor_parallel import Workers
+from nanovllm.distributed.workers import Workers
 
 pytestmark = pytest.mark.timeout(240)    # every test here guards against a hang: it must fail, not stall
 
@@ -245,7 +245,7 @@ def test_a_killed_rank0_takes_its_workers_along(generating_script, device):
 def test_exit_does_not_wait_forever_for_a_worker_that_stopped_responding(model_dir, device):
     """A worker that neither reads nor dies (SIGSTOP stands in for a hung one) is killed after
     STOP_SECONDS: exit() returns, and nothing is left."""
-    from nanovllm.engine.tensor_parallel import STOP_SECONDS
+    from nanovllm.distributed.workers import STOP_SECONDS
     shm_before = shm_segments()
     llm = LLM(str(model_dir), **engine_args(device))
     workers = list(llm.workers.processes)

@@ -14,7 +14,7 @@ from nanovllm.layers.quantization import building_with_quantization
 from nanovllm.layers.quantization.fp8 import (FP8, Fp8BlockMethod, Fp8ChannelMethod, dequantize_weight,
                                               fp8_linear_torch, quantize_activations, quantize_weight)
 from nanovllm.utils.loader import after_loading, load_model
-from nanovllm.utils.parallel import TensorParallelGroup, building_with
+from nanovllm.distributed.group import TensorParallelGroup, building_with
 
 BLOCK = Fp8BlockMethod()
 CHANNEL = Fp8ChannelMethod()

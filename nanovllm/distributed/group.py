@@ -11,9 +11,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nanovllm.utils.peer_memory import PeerAllReduce, takes
+from nanovllm.distributed.peer_memory import PeerAllReduce, takes
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """Rank r runs on GPU r (one process per GPU), or on the CPU."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
 def rendezvous_store(port: int) -> dist.TCPStore:

@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 
 from nanovllm.config import Config
 from nanovllm.kernels.all_reduce import PROGRAMS, one_shot_all_reduce
-from nanovllm.utils.parallel import TensorParallelGroup
-from nanovllm.utils.peer_memory import max_one_shot_bytes, takes
+from nanovllm.distributed.group import TensorParallelGroup
+from nanovllm.distributed.peer_memory import max_one_shot_bytes, takes
 
 SUM, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MIN
 

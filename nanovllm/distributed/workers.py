@@ -14,17 +14,16 @@ import threading
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
+from typing import Callable
 from uuid import uuid4
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, rank_device
-from nanovllm.engine.shm_channel import ShmChannel, Signals
-from nanovllm.engine.stderr_tap import StderrTap
-from nanovllm.utils.parallel import TensorParallelGroup, rendezvous_store
+from nanovllm.distributed.group import TensorParallelGroup, rank_device, rendezvous_store
+from nanovllm.distributed.shm_channel import ShmChannel, Signals
+from nanovllm.distributed.stderr_tap import StderrTap
 
 GUARD_MESSAGE = ('tensor-parallel workers are spawned processes, and each one imports your script again: '
                  'a script that builds an LLM when imported starts another engine in every worker. Put the '
@@ -61,12 +60,15 @@ def _death_message(rank: int, exitcode: int | None, stderr_tail: str) -> str:
 
 
 class Workers:
-    """Rank 0's handle on ranks 1..N-1. With tensor_parallel_size=1 there are none and every method is
-    (nearly) free."""
+    """Rank 0's handle on ranks 1..N-1. With world_size=1 there are none and every method is (nearly) free.
 
-    def __init__(self, config: Config):
-        self.config = config
-        self.world_size = config.tensor_parallel_size
+    Each worker builds its rank's runner as `build_runner(rank, group)` (picklable: it travels to the
+    spawned process; the engine passes its ModelRunner class with the config bound) and then calls the
+    runner's methods by name as rank 0 sends them."""
+
+    def __init__(self, world_size: int, device_type: str, build_runner: Callable[[int, TensorParallelGroup], object]):
+        self.device_type = device_type
+        self.world_size = world_size
         self.processes: list = []
         self.taps: list[StderrTap] = []
         self.channel: ShmChannel | None = None
@@ -89,7 +91,8 @@ class Workers:
         resource_tracker.ensure_running()     # started now, it does not inherit a worker's stderr pipe
         for rank, signals in enumerate(self.signals, start=1):
             process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
-                                  args=(config, rank, signals, self.store_port, self.shm_name))
+                                  args=(build_runner, rank, world_size, device_type, signals, self.store_port,
+                                        self.shm_name))
             tap = StderrTap()
             with tap.as_stderr():
                 process.start()
@@ -147,7 +150,7 @@ class Workers:
         while not self.rank0_store.check(joined):
             self.check()
             time.sleep(0.02)
-        self.group = TensorParallelGroup.connect(0, self.world_size, self.rank0_store, rank_device(self.config, 0))
+        self.group = TensorParallelGroup.connect(0, self.world_size, self.rank0_store, rank_device(self.device_type, 0))
         if self._died.is_set():
             self._abort_group()
         return self.group
@@ -222,15 +225,16 @@ class Workers:
         self.store = self.rank0_store = self.group = None
 
 
-def worker_main(config: Config, rank: int, signals: Signals, store_port: int, shm_name: str) -> None:
-    """A worker process: build this rank's ModelRunner, then run what rank 0 sends until `exit`."""
+def worker_main(build_runner: Callable[[int, TensorParallelGroup], object], rank: int, world_size: int,
+                device_type: str, signals: Signals, store_port: int, shm_name: str) -> None:
+    """A worker process: build this rank's runner (a ModelRunner), then run what rank 0 sends until `exit`."""
     # Ctrl-C in a terminal reaches every process of the group: rank 0 handles it and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    device = rank_device(config, rank)
+    device = rank_device(device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = TensorParallelGroup.connect(rank, config.tensor_parallel_size, rendezvous_store(store_port), device)
-    runner = ModelRunner(config, rank, group)
+    group = TensorParallelGroup.connect(rank, world_size, rendezvous_store(store_port), device)
+    runner = build_runner(rank, group)
     group.wait_for("shared_memory")
     channel = ShmChannel.attach(shm_name, signals)
     parent = mp.parent_process()
