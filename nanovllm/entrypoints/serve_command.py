@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
     try:
         from nanovllm.entrypoints.openai_app import build_app
     except ImportError as error:
+        if (error.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
+            raise
         parser.error(f"{error}; the server needs the serve extra: pip install 'nano-vllm[serve]'")
     from nanovllm import AsyncLLM
 

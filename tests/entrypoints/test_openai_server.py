@@ -178,8 +178,10 @@ def test_concurrent_streams(server, llm):
     assert asyncio.run(all_of_them()) == [out["text"] for out in expected]
 
 
-def stream_then_leave(server, body: dict, chunks: int) -> float:
-    """Read `chunks` events of a stream, then drop the connection; returns the KV blocks used meanwhile."""
+def stream_then_leave(server, body: dict, chunks: int, before: float) -> float:
+    """Read `chunks` events of a stream, then drop the connection; returns the KV blocks used meanwhile
+    (more than `before` once the engine's figures, sent at most every 0.1 s, show the request: waited for
+    up to 2 s, the stream still open)."""
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         seen = 0
@@ -188,7 +190,10 @@ def stream_then_leave(server, body: dict, chunks: int) -> float:
                 seen += 1
                 if seen == chunks:
                     break
-        return metrics(server)["nanovllm:kv_cache_used_blocks"]
+        deadline = time.monotonic() + 2.0
+        while (used := metrics(server)["nanovllm:kv_cache_used_blocks"]) <= before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return used
 
 
 def settle(server, timeout: float = 30.0) -> dict:
@@ -209,7 +214,8 @@ def test_client_disconnect_frees_blocks(slow_server):
     server = slow_server
     before = settle(server)
     long = {"prompt": "Tell me everything", "max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
-    used = stream_then_leave(server, {**long, "stream": True}, chunks=3)
+    used = stream_then_leave(server, {**long, "stream": True}, chunks=3,
+                             before=before["nanovllm:kv_cache_used_blocks"])
     assert used > before["nanovllm:kv_cache_used_blocks"]
     after = settle(server)
     assert after["nanovllm:kv_cache_used_blocks"] == before["nanovllm:kv_cache_used_blocks"]
