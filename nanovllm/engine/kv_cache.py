@@ -1,0 +1,69 @@
+"""The KV cache of one rank: one tensor [K/V, layers, blocks, block_size, this rank's kv heads, head_dim],
+as many blocks as the device has room for once the model and its warm-up peak are counted (or as the
+config says), the same number on every rank, bound into each attention layer as views; and copies of
+whole blocks inside it."""
+import math
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import CPU_KV_CACHE_BYTES, Config
+from nanovllm.distributed.group import TensorParallelGroup
+from nanovllm.layers.attention import Attention
+
+
+def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
+    """[K/V, layers, blocks, block_size, this rank's kv heads, head_dim]."""
+    hf = config.hf_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return (2, hf.num_hidden_layers, num_blocks, config.kvcache_block_size,
+            hf.num_key_value_heads // config.tensor_parallel_size, head_dim)
+
+
+def block_bytes(config: Config) -> int:
+    return math.prod(kv_cache_shape(config, 1)) * config.kv_cache_dtype.itemsize
+
+
+def num_blocks_that_fit(config: Config, device: torch.device) -> int:
+    """config.num_kvcache_blocks if set; on CPU, CPU_KV_CACHE_BYTES' worth (at least one max_model_len
+    sequence); on a GPU, what gpu_memory_utilization leaves once the memory in use and the warm-up's
+    peak activations are counted."""
+    size = block_bytes(config)
+    if config.num_kvcache_blocks > 0:
+        return config.num_kvcache_blocks
+    if device.type == "cpu":
+        min_blocks = (config.max_model_len + config.kvcache_block_size - 1) // config.kvcache_block_size
+        return max(CPU_KV_CACHE_BYTES // size, min_blocks)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    stats = torch.cuda.memory_stats(device)
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    available = int(total * config.gpu_memory_utilization) - used - peak + current
+    num_blocks = available // size
+    if num_blocks < 1:
+        raise ValueError(f"not even one KV cache block ({size} bytes) fits in GPU memory at "
+                         f"gpu_memory_utilization={config.gpu_memory_utilization}")
+    return num_blocks
+
+
+def agreed_num_blocks(num_blocks: int, group: TensorParallelGroup, device: torch.device) -> int:
+    """The fewest blocks any rank has room for: every rank must agree on the pool the scheduler hands out."""
+    if group.size == 1:
+        return num_blocks
+    t = torch.tensor([num_blocks], device=device)
+    return int(group.all_reduce(t, dist.ReduceOp.MIN).item())
+
+
+def allocate_kv_cache(config: Config, num_blocks: int, device: torch.device,
+                      attention_layers: list[Attention]) -> torch.Tensor:
+    """The cache tensor; layer i's k_cache and v_cache become views of its [0, i] and [1, i]."""
+    kv_cache = torch.empty(kv_cache_shape(config, num_blocks), dtype=config.kv_cache_dtype, device=device)
+    for i, layer in enumerate(attention_layers):
+        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+    return kv_cache
+
+
+def copy_blocks(kv_cache: torch.Tensor, source: torch.Tensor, destination: torch.Tensor) -> None:
+    """Copy whole KV blocks (every layer, K and V), queued behind the step that wrote the sources."""
+    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+    cache[:, :, destination] = cache[:, :, source]     # fp8 as bytes: not every device indexes float8

@@ -1,0 +1,104 @@
+"""A step's model inputs, built from its sequences: the token ids and positions the model computes, and
+the attention metadata (utils/context.py) that says where their K/V go in the paged cache and what each
+token attends to. A prefill computes tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens)
+of each sequence; a decode computes each sequence's last token. And which of a prefill's rows predict
+which prompt tokens, for the sequences that want their prompt's log-probs."""
+import itertools
+
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.utils.context import set_context
+from nanovllm.utils.transfer import list_to_device, to_device
+
+
+def padded_block_tables(seqs: list[Sequence]) -> list[list[int]]:
+    """Each seq's block table, padded with -1 to the longest one."""
+    pad = [-1] * max(len(seq.block_table) for seq in seqs)
+    return [seq.block_table + pad[len(seq.block_table):] for seq in seqs]
+
+
+def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs for tokens [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each seq."""
+    input_ids, positions, slot_mapping = [], [], []
+    cu_seqlens_q, cu_seqlens_k = [0], [0]
+    max_seqlen_q = max_seqlen_k = 0
+    bs = block_size
+    for seq in seqs:
+        start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+        input_ids.extend(seq[start:end])
+        positions.extend(range(start, end))
+        cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+        cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+        max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
+        if not seq.block_table:      # warmup: nothing to store
+            continue
+        for i in range(start // bs, (end + bs - 1) // bs):
+            first = seq.block_table[i] * bs
+            slot_mapping.extend(range(first + max(start - i * bs, 0), first + min(end - i * bs, bs)))
+    block_tables = None
+    if cu_seqlens_k[-1] > cu_seqlens_q[-1]:    # some keys are already cached: attend through pages
+        block_tables = list_to_device(padded_block_tables(seqs), torch.int32, device)
+    input_ids = list_to_device(input_ids, torch.int64, device)
+    positions = list_to_device(positions, torch.int64, device)
+    set_context(True, list_to_device(cu_seqlens_q, torch.int32, device),
+                list_to_device(cu_seqlens_k, torch.int32, device), max_seqlen_q, max_seqlen_k,
+                list_to_device(slot_mapping, torch.int32, device), None, block_tables)
+    return input_ids, positions
+
+
+def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, sampled: torch.Tensor,
+                   sampled_rows: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each seq computes its last token, whose slot is the next free one of its last block. A last
+    token still PENDING (sampled by the step before, not yet on the host) is read on the device: from
+    `sampled`, the last step's tokens, at the row `sampled_rows` gives its sequence.
+
+    Runs every step (every millisecond for a lone sequence), so the columns are built as Python
+    lists, read into numpy in one pass, and travel in one copy."""
+    n = len(seqs)
+    width = max(len(seq.block_table) for seq in seqs)
+    tokens = [seq.last_token for seq in seqs]
+    context_lens = [seq.num_tokens for seq in seqs]
+    positions = [length - 1 for length in context_lens]
+    slots = [seq.block_table[-1] * block_size + position % block_size for seq, position in zip(seqs, positions)]
+    rows = sampled_rows                # a PENDING token's row in `sampled`; -1: on the host already
+    sampled_rows = [rows[seq.seq_id] if token == PENDING else -1 for seq, token in zip(seqs, tokens)]
+    block_tables = itertools.chain.from_iterable(seq.block_table + [-1] * (width - len(seq.block_table))
+                                                 for seq in seqs)
+    flat = np.fromiter(itertools.chain(tokens, positions, context_lens, slots, sampled_rows, block_tables),
+                       dtype=np.int32, count=5 * n + n * width)
+    flat = to_device(flat, device)
+    columns = flat[:5 * n].view(5, n)
+    set_context(False, slot_mapping=columns[3], context_lens=columns[2],
+                block_tables=flat[5 * n:].view(n, width))
+    if len(sampled) == n and sampled_rows == list(range(n)):
+        input_ids = sampled             # the last step's batch again, every token pending: as sampled
+    elif max(sampled_rows) >= 0:
+        input_ids = torch.where(columns[4] >= 0, sampled[columns[4].clamp(min=0)], columns[0])
+    else:
+        input_ids = columns[0]
+    return input_ids, columns[1]
+
+
+def prompt_logprob_targets(seqs: list[Sequence], computed: list[Sequence], wanted: list[tuple[int, int]]
+                           ) -> tuple[list[tuple[int, int, int]], list[int], list[int]]:
+    """Which rows of a prefill's hidden states predict which prompt tokens, for the sequences that want
+    their prompt's log-probs (`wanted`: (index in seqs, k)): position p of a prompt of P tokens predicts
+    token p + 1, for p < P - 1. Returns (spans, rows, targets): per wanted sequence, its first predicted
+    token's index, how many, and its k; the rows (among `computed`'s tokens) and the tokens they predict."""
+    offsets, offset = {}, 0
+    for seq in computed:
+        offsets[seq.seq_id] = offset
+        offset += seq.num_scheduled_tokens
+    rows, targets, spans = [], [], []
+    for i, k in wanted:
+        seq = seqs[i]
+        start = seq.num_cached_tokens
+        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        count = max(end - start, 0)
+        spans.append((start + 1, count, k))
+        if count:
+            rows.extend(range(offsets[seq.seq_id], offsets[seq.seq_id] + count))
+            targets.extend(seq.token_ids[start + 1:end + 1])
+    return spans, rows, targets

@@ -1,0 +1,69 @@
+"""Warm-up runs of a rank's model at start-up, on a GPU, so that no request waits for a kernel to compile:
+one before the KV cache exists (a prefill at the full token budget, whose peak activation memory the
+cache's sizing then leaves room for, and every kernel variant a batch can reach) and one after (the
+paths that read K/V through the block table). The sampler warms its own kernels (Sampler.warmup).
+
+Each takes the rank's ModelRunner and runs real steps through it (`runner.run`)."""
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.prefill_attention import SHORT_KEYS
+from nanovllm.layers.linear import dense_warmup_token_counts
+from nanovllm.layers.quantization import warmup_token_counts
+from nanovllm.sampling_params import SamplingParams
+
+
+def warmup_model(runner) -> None:
+    """One prefill at the full token budget: compiles kernels and shows peak activation memory."""
+    config = runner.config
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    seq_len = min(config.max_num_batched_tokens, config.max_model_len)
+    budget = seq_len * max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
+    _warm_prefill(runner, budget)
+    # each kernel variant a batch can reach in the layers' quantization methods (MoE, FP8 GEMMs), and
+    # prefill attention's tiles for short key ranges (the budget's prompts may be long enough for its others)
+    extra = set(warmup_token_counts(runner.model)) | {SHORT_KEYS}
+    for num_tokens in sorted(extra):
+        if num_tokens < budget:
+            _warm_prefill(runner, num_tokens)
+    # the LM head's skinny GEMM sees one row per sequence: batches of that many one-token prompts
+    for num_seqs in dense_warmup_token_counts():
+        if num_seqs <= min(budget, config.max_num_seqs):
+            _warm_prefill(runner, num_seqs, longest=1)
+    torch.cuda.empty_cache()
+
+
+def _warm_prefill(runner, num_tokens: int, longest: int | None = None) -> None:
+    """A prefill of num_tokens tokens in all, as sequences of at most `longest` (default max_model_len)
+    tokens (the budget's: as many sequences of seq_len as fit, or one shorter one)."""
+    longest = longest or runner.config.max_model_len
+    seqs = []
+    while num_tokens > 0:
+        length = min(num_tokens, longest)
+        seqs.append(Sequence([0] * length, SamplingParams(), runner.block_size))
+        seqs[-1].num_scheduled_tokens = length
+        num_tokens -= length
+    runner.run(seqs, True)
+
+
+def warmup_cached_paths(runner) -> None:
+    """Compile the kernels that read K/V through the block table (a prefill continuing a cached
+    prefix, and an eager decode) now, not inside the first request that needs them."""
+    block_size = runner.block_size
+    if runner.num_kvcache_blocks < 2:
+        return
+    seq = Sequence([0] * (block_size + 1), SamplingParams(), block_size)
+    seq.block_table = [0, 1]                # scratch blocks: the scheduler has handed out nothing yet
+    seq.num_cached_tokens, seq.num_scheduled_tokens = block_size - 1, 1
+    runner.run([seq], True)
+    seq.num_cached_tokens = block_size
+    runner.run([seq], False)                # before any graph is captured: eager
+    # one token after a long cached prefix: the prefill kernel's tiles for long key ranges
+    long_prefix = SHORT_KEYS + 1
+    num_blocks = long_prefix // block_size + 1
+    if runner.config.max_model_len > long_prefix and runner.num_kvcache_blocks >= num_blocks:
+        seq = Sequence([0] * (long_prefix + 1), SamplingParams(), block_size)
+        seq.block_table = list(range(num_blocks))
+        seq.num_cached_tokens, seq.num_scheduled_tokens = long_prefix, 1
+        runner.run([seq], True)
