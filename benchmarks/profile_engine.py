@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import (DUMMY_SHAPES, MAX_MODEL_LEN, RANDOM_SHAPES, WORKLOAD_MAX_MODEL_LEN, WORKLOADS,  # noqa: E402
                    default_model, draw_workload)
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.model_runner import SampledTokens  # noqa: E402
+from nanovllm.engine.sampled_tokens import SampledTokens  # noqa: E402
 
 
 def kernel_summary(prof, kind: str, num_steps: int, wall_s: float) -> None:

@@ -7,7 +7,9 @@ from nanovllm.config import Config
 from nanovllm.distributed.group import TensorParallelGroup, building_with, rank_device
 from nanovllm.engine import kv_cache as kv, step_inputs, warmup
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
-from nanovllm.engine.sampling_metadata import PenaltyState, SampledTokens, build_sampling_tensors
+from nanovllm.engine.penalty_state import PenaltyState
+from nanovllm.engine.sampled_tokens import SampledTokens
+from nanovllm.engine.sampling_inputs import build_sampling_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
@@ -23,7 +25,7 @@ class ModelRunner:
     """Runs the model for one rank, coordinating the rooms that do the work: builds the model and loads
     its weights, warms it up (warmup.py), sizes and owns the KV cache (kv_cache.py), prepares each step's
     inputs and attention metadata (step_inputs.py) and, on rank 0, its sampling inputs
-    (sampling_metadata.py), runs the step (replaying CUDA graphs where captured, cuda_graphs.py), and
+    (sampling_inputs.py; penalty_state.py), runs the step (replaying CUDA graphs where captured, cuda_graphs.py), and
     (rank 0) samples.
 
     With tensor parallelism every rank has one, in its own process (rank 0 in the caller's), and the

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.rotary_kv_store import RotaryEmbedding
 from nanovllm.utils.context import get_context
 
 

@@ -13,7 +13,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from nanovllm.layers.rotary_kv_store import RotaryEmbedding, rope_parameters
 from nanovllm.distributed.group import current_group
 
 

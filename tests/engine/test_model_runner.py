@@ -2,7 +2,7 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sampling_metadata import build_sampling_tensors
+from nanovllm.engine.sampling_inputs import build_sampling_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import get_context, reset_context
 

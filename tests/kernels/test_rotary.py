@@ -5,7 +5,7 @@ import torch
 
 from nanovllm.kernels import store_kvcache, torch_store_kvcache
 from nanovllm.kernels.rotary import rotate_qk
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, norm_rotate, rotate
+from nanovllm.layers.rotary_kv_store import RotaryEmbedding, norm_rotate, rotate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

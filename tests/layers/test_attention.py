@@ -72,7 +72,7 @@ def test_an_fp8_prompt_attends_as_a_later_read_of_its_cached_blocks_does():
 def _kernel_rope(head_dim: int):
     """A RotaryEmbedding that takes its GPU path, the Triton kernel, on any device (the interpreter on CPU)."""
     from nanovllm.kernels.rotary import rotate_qk
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.layers.rotary_kv_store import RotaryEmbedding
 
     class KernelRope(RotaryEmbedding):
         def forward(self, positions, query, key, q_norm=None, k_norm=None, **cache):
@@ -95,7 +95,7 @@ def test_rotating_and_storing_in_one_call_attends_and_caches_as_rotate_then_stor
 
     from nanovllm.layers.attention import Attention
     from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.layers.rotary_kv_store import RotaryEmbedding
     from nanovllm.utils.context import reset_context, set_context
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,3 +1,10 @@
+"""Rotary position embedding, and the paged KV cache write it does in passing.
+
+RotaryEmbedding rotates q and k by their positions (cos/sin table, Llama 3's frequency scaling; with
+Qwen3's q_norm/k_norm each head RMS-normalized first). Given the value and the paged caches it also writes
+the rotated key and the value into their slots: on a GPU in the same Triton kernel (kernels/rotary.py, one
+launch fewer per layer), on CPU through the reference store. rope_parameters reads a config's rope
+settings. Attention decides which of its backends may take the fused write (layers/attention.py)."""
 import math
 
 import torch

@@ -1,5 +1,6 @@
-"""A step's sampling inputs, built on rank 0 from its sequences apart from the attention inputs, the
-penalty state that lives on the device across steps, and the sampled tokens on their way back.
+"""A step's sampling inputs (SamplingTensors), built on rank 0 from its sequences apart from the
+attention inputs (step_inputs.py): temperatures, filters, random keys, banned tokens, and the penalized
+rows with where their state lies in PenaltyState (penalty_state.py).
 
 Random keys: a seeded request's row draws with a key made of its seed, its place among the request's
 n completions and the position of the token it samples, so it draws the same token wherever it sits,
@@ -9,9 +10,9 @@ per step (torch's CPU generator: torch.manual_seed repeats a run).
 import numpy as np
 import torch
 
+from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels import penalties as penalty_kernels
-from nanovllm.layers.sampler import Penalties, SamplerOutput, SamplingTensors
+from nanovllm.layers.sampler import Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.transfer import to_device
 
@@ -28,59 +29,6 @@ def _mix(x: int) -> int:
 def seeded_key(seed: int, index: int, position: int) -> int:
     """The Philox key of the token at `position` of completion `index` of a request seeded `seed`."""
     return _mix(_mix(_mix(seed & _MASK64) ^ index) ^ position) >> 2     # < 2**62: fits int64 and torch seeds
-
-
-class PenaltyState:
-    """Per sequence with penalties, on the device: which tokens its prompt holds and how often each
-    token occurs in its output. The counts grow from the sampled tokens on the device (never rebuilt on
-    the host); rows are freed when the engine says the sequence ended."""
-
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size = vocab_size
-        self.device = device
-        self.rows: dict[int, int] = {}
-        self.free: list[int] = []
-        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-
-    def _grow(self) -> None:
-        old = self.prompt_mask.size(0)
-        new = max(8, 2 * old)
-        self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(new - old, self.vocab_size)])
-        self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)])
-        self.free.extend(range(new - 1, old - 1, -1))
-
-    def rows_for(self, seqs: list[Sequence]) -> torch.Tensor:
-        """State rows for these sequences; a new one starts from its prompt (and any known output)."""
-        rows = []
-        for seq in seqs:
-            row = self.rows.get(seq.seq_id)
-            if row is None:
-                if not self.free:
-                    self._grow()
-                row = self.rows[seq.seq_id] = self.free.pop()
-                prompt = to_device(np.array(seq.prompt_token_ids, dtype=np.int64), self.device)
-                self.prompt_mask[row] = False
-                self.prompt_mask[row, prompt] = True
-                output = [t for t in seq.completion_token_ids if t >= 0]
-                counts = np.bincount(np.array(output, dtype=np.int64), minlength=self.vocab_size).astype(np.int32)
-                self.output_counts[row] = to_device(counts, self.device)
-            rows.append(row)
-        return to_device(np.array(rows, dtype=np.int64), self.device)
-
-    def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """output_counts[rows[i], token_ids[i]] += 1: one small kernel on a GPU (Sampler.warmup compiles it)."""
-        if self.output_counts.is_cuda:
-            penalty_kernels.count_tokens(self.output_counts, rows, token_ids)
-        else:
-            self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.int32),
-                                          accumulate=True)
-
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            row = self.rows.pop(seq_id, None)
-            if row is not None:
-                self.free.append(row)
 
 
 def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, vocab_size: int,
@@ -164,45 +112,3 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
                 prompt_mask=penalty_state.prompt_mask, output_counts=penalty_state.output_counts,
                 repetition=weights[0, :num], frequency=weights[1, :num], presence=weights[2, :num])
     return tensors, state_rows
-
-
-class SampledTokens:
-    """A step's sampled token ids (and log-probs, if asked) on their way to the host: the copies are
-    queued behind the step, and only reading them waits, so the host can launch the next step meanwhile."""
-
-    def __init__(self, output: SamplerOutput, prompt_logprobs=None):
-        self.ready = None
-        # (spans, (target log-probs, top ids, top log-probs) or None), see ModelRunner._prompt_logprobs
-        self.prompt_spans, prompt_tensors = prompt_logprobs or ([], None)
-        tensors = [output.token_ids, output.logprobs, output.top_token_ids, output.top_logprobs,
-                   *(prompt_tensors or (None, None, None))]
-        if output.token_ids.is_cuda:
-            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True) for t in tensors]
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host = tensors
-
-    def tolist(self) -> list[int]:
-        """The token ids."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host[0].tolist()
-
-    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
-        """Per row: the sampled token's log-prob, and the most likely tokens' ids and log-probs."""
-        if self.host[1] is None:
-            return None
-        if self.ready is not None:
-            self.ready.synchronize()
-        return tuple(t.tolist() for t in self.host[1:4])
-
-    def prompt_logprobs(self) -> tuple[list[tuple[int, int, int]], tuple[list, list, list] | None]:
-        """(spans, rows): per sequence that asked, (first prompt index, count, k); the rows' target
-        log-probs, top ids and top log-probs, the spans' rows one after another."""
-        if self.host[4] is None:
-            return self.prompt_spans, None
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.prompt_spans, tuple(t.tolist() for t in self.host[4:])
