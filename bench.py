@@ -113,7 +113,7 @@ def default_model(device: str, shape: str = "qwen3-0.6b") -> Path:
     `shape` says 8B or 30B-A3B), a tiny one on CPU (a tiny Qwen3-MoE for the 30B-A3B shape). The
     30B-A3B shape's directory holds config.json and the tokenizer alone (run it with load_format="dummy")."""
     from nanovllm.utils.gguf_checkpoint import cache_root
-    from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B, write_random_checkpoint
+    from benchmarks.random_checkpoint import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B, write_random_checkpoint
 
     root, options = cache_root(), {}
     if shape in DUMMY_SHAPES:

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     """make_checkpoint(**shape) -> directory of a random-weight checkpoint, written once per shape."""
-    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    from benchmarks.random_checkpoint import write_random_checkpoint
     written = {}
 
     def make(**shape):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B, write_random_checkpoint
+from benchmarks.random_checkpoint import QWEN3_0_6B, QWEN3_8B, QWEN3_30B_A3B, write_random_checkpoint
 
 _spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[1] / "bench.py")
 bench = importlib.util.module_from_spec(_spec)

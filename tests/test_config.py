@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm.config import Config
-from nanovllm.utils.random_checkpoint import write_random_checkpoint
+from benchmarks.random_checkpoint import write_random_checkpoint
 
 
 def test_resolves_cpu_defaults(tiny_model):

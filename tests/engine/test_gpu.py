@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B
+from benchmarks.random_checkpoint import QWEN3_0_6B
 from oracle import hf_greedy, load_hf_model
 from teacher_forcing import NUM_FORCED, TIE_MARGIN, forced_logprobs, hf_forced_logprobs, random_prompts
 

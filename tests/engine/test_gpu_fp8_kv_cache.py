@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B
+from benchmarks.random_checkpoint import QWEN3_0_6B
 from teacher_forcing import forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

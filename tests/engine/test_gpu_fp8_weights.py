@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B, QWEN3_30B_A3B
+from benchmarks.random_checkpoint import QWEN3_0_6B, QWEN3_30B_A3B
 from teacher_forcing import compare, forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -115,7 +115,7 @@ def test_block_fp8_weights_track_bf16(tmp_path, monkeypatch):
     """A config.json that says block FP8 (as Qwen3-*-FP8's), run with dummy weights: the engine draws the same
     bf16 numbers as a plain dummy run (the same generator over the same parameters), then quantizes them per
     128x128 block; its activations go per 1x128 group through our block-scaled Triton GEMM."""
-    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    from benchmarks.random_checkpoint import write_random_checkpoint
     plain = write_random_checkpoint(tmp_path / "plain", dtype=torch.bfloat16, weights=False, **QWEN3_0_6B)
     block = tmp_path / "block"
     shutil.copytree(plain, block)
@@ -159,7 +159,7 @@ def test_fp8_experts_track_bf16(tmp_path, monkeypatch):
     """Qwen3-30B-A3B's layer shape (4 of its 48 layers), dummy weights: bf16, online FP8 (per row) and a
     block-FP8 config.json (Qwen3-30B-A3B-FP8's layout: routers and LM head unquantized); the grouped FP8 GEMMs
     against the torch experts run on the GPU; CUDA graphs; nothing compiled after start-up."""
-    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    from benchmarks.random_checkpoint import write_random_checkpoint
     shape = dict(QWEN3_30B_A3B, num_hidden_layers=4)
     plain = write_random_checkpoint(tmp_path / "plain", architecture="Qwen3MoeForCausalLM", dtype=torch.bfloat16,
                                     weights=False, **shape)

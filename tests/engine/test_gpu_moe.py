@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import QWEN3_30B_A3B
+from benchmarks.random_checkpoint import QWEN3_30B_A3B
 from oracle import load_hf_model
 from teacher_forcing import NUM_FORCED, compare, forced_logprobs, hf_forced_logprobs, random_prompts
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import QWEN3_0_6B
+from benchmarks.random_checkpoint import QWEN3_0_6B
 from teacher_forcing import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -49,7 +49,7 @@ class FakeEngine:
     TEXT = ": the quick brown fox jumps over the lazy dog. "
 
     def __init__(self, delay: float = 0.0, max_model_len: int = 64):
-        from nanovllm.utils.random_checkpoint import byte_level_tokenizer
+        from benchmarks.random_checkpoint import byte_level_tokenizer
         self.tokenizer = byte_level_tokenizer(512)
         self.model = "/models/fake"
         self.max_model_len = max_model_len

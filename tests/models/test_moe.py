@@ -86,7 +86,7 @@ def test_tensor_parallel_over_gloo_equals_one_rank(make_checkpoint, shape):
 
 
 def test_dummy_weights_need_no_safetensors_and_are_seeded(tmp_path):
-    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    from benchmarks.random_checkpoint import write_random_checkpoint
 
     model_dir = write_random_checkpoint(tmp_path / "config-only", architecture=QWEN3_MOE, weights=False)
     assert not list(model_dir.glob("*.safetensors"))

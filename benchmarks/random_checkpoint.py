@@ -1,8 +1,9 @@
 """Write a random-weight Hugging Face checkpoint of any supported shape, with a byte-level tokenizer.
 
-For tests and benchmarks where no real weights can be fetched:
+For tests and benchmarks where no real weights can be fetched (nothing in nanovllm/ needs it at run time,
+so it lives beside the benchmarks; import it from the repository's root, as bench.py and the tests do):
 
-    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+    from benchmarks.random_checkpoint import write_random_checkpoint
     write_random_checkpoint("/tmp/tiny-qwen3", hidden_size=64, num_hidden_layers=2, vocab_size=512)
 
 The directory holds config.json, model.safetensors and tokenizer files, and loads unchanged in both
