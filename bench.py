@@ -12,7 +12,7 @@
 The workload is drawn exactly as nano-vllm's bench.py draws it (random.seed(0); all prompts, then all
 output lengths), so token counts match upstream's. The floor is what the hardware cannot beat: decode
 reads every running sequence's KV cache and all weights each step (bandwidth-bound), prefill is
-matmul arithmetic (compute-bound). See "Performance yardsticks" in DESIGN.md. A mixture-of-experts model
+matmul arithmetic (compute-bound). See "Performance yardsticks" in docs/architecture.md. A mixture-of-experts model
 (Qwen3-MoE, Mixtral) reads its dense weights each step but only the experts the step's tokens pick (the
 expectation under uniform routing), and its prefill computes each token's active parameters only. FP8
 weights (--quantization fp8, or an FP8 checkpoint) count one byte per attention/MLP projection weight (the

@@ -1,6 +1,7 @@
-"""bench.py on CPU: the workload is upstream's draw, the floor matches DESIGN.md's worked numbers, and a
-tiny end-to-end run of each engine reports consistent figures. Parameters counted from a config match
-the checkpoint's; a mixture-of-experts floor reads the experts a step touches, a dense one is unchanged."""
+"""bench.py on CPU: the workload is upstream's draw, the floor matches the worked numbers of
+docs/architecture.md ("Performance yardsticks"), and a tiny end-to-end run of each engine reports
+consistent figures. Parameters counted from a config match the checkpoint's; a mixture-of-experts floor
+reads the experts a step touches, a dense one is unchanged."""
 import argparse
 import importlib.util
 import json
@@ -61,7 +62,7 @@ def test_workload_is_upstreams_draw():
     prompts, max_tokens = upstream_draw(256, 1024, 1024, seed=0)
     workload = bench.make_workload(256, 1024, 1024, seed=0)
     assert workload.prompts == prompts and workload.max_tokens == max_tokens
-    assert sum(workload.max_tokens) == 133_966          # DESIGN.md's output token count
+    assert sum(workload.max_tokens) == 133_966          # docs/architecture.md's output token count
     assert bench.make_workload(256, 1024, 1024, seed=1).max_tokens != max_tokens
     small = bench.make_workload(16, 128, 64, seed=0)   # short maxima lower the lower bound to max/2
     assert all(64 <= len(p) <= 128 for p in small.prompts) and all(32 <= m <= 64 for m in small.max_tokens)
