@@ -1,5 +1,5 @@
 """nanovllm: LLM (offline batches), AsyncLLM (the engine driven from asyncio, as the server uses it) and
-SamplingParams. They are imported on first use (PEP 562), not with the package: `nanovllm --help` and
+SamplingParams (StructuredOutputsParams for constrained outputs). They are imported on first use (PEP 562), not with the package: `nanovllm --help` and
 the other commands that never build an engine do not pay for torch's import."""
 from importlib import import_module
 from typing import TYPE_CHECKING
@@ -10,6 +10,7 @@ _EXPORTS = {
     "EngineDeadError": "nanovllm.async_llm",
     "LLM": "nanovllm.llm",
     "SamplingParams": "nanovllm.sampling_params",
+    "StructuredOutputsParams": "nanovllm.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -17,7 +18,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from nanovllm.async_llm import AsyncLLM, EngineDeadError
     from nanovllm.llm import LLM
-    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

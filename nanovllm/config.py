@@ -21,7 +21,10 @@ DTYPES = ("float32", "float16", "bfloat16")     # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}   # None: the model's dtype; else a torch dtype's name
 LOAD_FORMATS = ("auto", "dummy")   # dummy: seeded random weights from config.json alone (benchmarks of big shapes)
-CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, independent of free RAM
+CPU_KV_CACHE_BYTES = 512 << 20
+# reasoning parser -> (start, end) markers of a model's thinking: a structured output constrains the answer
+# after the end marker, not the thinking (the server also splits the text there: entrypoints/reasoning_parsers)
+REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}   # the CPU's default KV budget: modest, fixed, independent of free RAM
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -67,6 +70,7 @@ class Config:
     load_format: str = "auto"
     quantization: str | None = None     # a registered quantization method's name (layers/quantization), e.g.
                                         # FP8 weights quantized online; a quantized checkpoint needs none
+    reasoning_parser: str | None = None     # "qwen3" or "deepseek_r1": structured outputs start after the thinking
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_method: QuantizationMethod = field(init=False, default=None)   # layers/quantization; set when checked
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
@@ -95,6 +99,9 @@ class Config:
         _check_int("num_kvcache_blocks", self.num_kvcache_blocks, -1)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks must be -1 (size from memory) or > 0, got 0")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_MARKERS)} or None, "
+                             f"got {self.reasoning_parser!r}")
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")

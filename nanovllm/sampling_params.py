@@ -1,4 +1,5 @@
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20
 
@@ -9,6 +10,83 @@ def _is_number(value) -> bool:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the kinds of constraint, exactly one a request (vLLM's names)
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, with vLLM's names and meanings: exactly one of
+    json (a JSON schema, as a dict or its text), regex, choice (the output is one of these strings),
+    grammar (EBNF, as xgrammar and llama.cpp's GBNF read it), json_object=True (any JSON object) or
+    structural_tag (xgrammar's structural tag, as JSON text). The output always conforms; generation
+    ends when the constraint is complete (on an end-of-sequence token, finish_reason "stop") or at
+    max_tokens. disable_any_whitespace: JSON without whitespace between tokens;
+    disable_additional_properties: a schema's objects take no properties beyond those it names.
+    Whether a schema, regex or grammar is well formed is checked when a request is added (ValueError)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self):
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of {', '.join(CONSTRAINT_KINDS)}; "
+                             f"got {', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as error:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+            elif isinstance(self.json, dict):
+                schema = self.json
+            else:
+                raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                                f"got {type(self.json).__name__}")
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema: an object")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"structured_outputs.{name} must be a str, got {type(value).__name__}")
+            if value == "":
+                raise ValueError(f"structured_outputs.{name} must not be empty")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise TypeError(f"structured_outputs.choice must be a non-empty list of str, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise TypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of CONSTRAINT_KINDS."""
+        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, value: "dict | StructuredOutputsParams") -> "StructuredOutputsParams":
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                            f"got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**value)
 
 
 @dataclass
@@ -37,6 +115,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # a dict is taken too
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -66,6 +145,8 @@ class SamplingParams:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     def _check_ranges(self) -> None:
         if self.n < 1:
