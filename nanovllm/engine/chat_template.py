@@ -7,6 +7,11 @@ from nanovllm.sampling_params import SamplingParams
 
 # the generation_config.json keys that override SamplingParams' defaults, as in vLLM
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+RESERVED_TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "documents", "chat_template", "tokenize",
+                                         "add_generation_prompt", "continue_final_message", "return_dict",
+                                         "return_tensors", "padding", "truncation", "max_length",
+                                         "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 def conversations(messages) -> list[list[dict]]:
@@ -25,26 +30,64 @@ def conversations(messages) -> list[list[dict]]:
         for j, message in enumerate(conversation):
             if not isinstance(message, dict):
                 raise TypeError(f"message {j} of conversation {i} must be a dict, got {type(message).__name__}")
-            missing = [key for key in ("role", "content") if key not in message]
+            # an assistant message that calls tools may leave its content out (or null)
+            needed = ("role",) if message.get("tool_calls") else ("role", "content")
+            missing = [key for key in needed if key not in message]
             if missing:
                 raise ValueError(f"message {j} of conversation {i} lacks {' and '.join(map(repr, missing))}")
             if not isinstance(message["role"], str):
                 raise TypeError(f"the role of message {j} of conversation {i} must be a str, "
                                 f"got {type(message['role']).__name__}")
+            calls = message.get("tool_calls")
+            if calls is not None and (not isinstance(calls, list) or not all(
+                    isinstance(call, dict) and isinstance(call.get("function"), dict) for call in calls)):
+                raise TypeError(f"the tool_calls of message {j} of conversation {i} must be a list of "
+                                f"{{\"function\": {{\"name\", \"arguments\"}}}} dicts")
     return found
 
 
-def render_chat(tokenizer, model: str, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def _template_message(message: dict) -> dict:
+    """A message as templates expect it: content text ("" for none), and tool calls' arguments as objects
+    (templates write them with `tojson`; OpenAI clients send them as JSON text), as vLLM hands them over."""
+    message = {**message, "content": "" if message.get("content") is None else message["content"]}
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            function = dict(call["function"])
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass        # not JSON: the template gets the text
+            calls.append({**call, "function": function})
+        message["tool_calls"] = calls
+    return message
+
+
+def render_chat(tokenizer, model: str, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
     """One conversation's prompt token ids, through the tokenizer's chat template (model: for the error)."""
     [conversation] = conversations([messages])
-    return render_conversation(tokenizer, model, conversation, add_generation_prompt)
+    return render_conversation(tokenizer, model, conversation, add_generation_prompt, tools, chat_template_kwargs)
 
 
-def render_conversation(tokenizer, model: str, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-    """A checked conversation's prompt token ids."""
+def render_conversation(tokenizer, model: str, conversation: list[dict], add_generation_prompt: bool,
+                        tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+    """A checked conversation's prompt token ids. `tools` (OpenAI's function tools) and
+    `chat_template_kwargs` (e.g. {"enable_thinking": False}) are the template's to read; a template that
+    refuses the conversation raises ValueError."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {model} has no chat template; use generate() with plain prompts")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    kwargs = dict(chat_template_kwargs or {})
+    taken = sorted(RESERVED_TEMPLATE_ARGUMENTS & set(kwargs))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken}: the request sets them")
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template([_template_message(m) for m in conversation], tools=tools,
+                                             tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    except TemplateError as error:
+        raise ValueError(f"the chat template of {model} refused the conversation: {error}") from None
     return tokenizer.encode(text, add_special_tokens=False)     # the template holds any BOS
 
 
