@@ -3,7 +3,8 @@ once. Choice i * n + j is prompt i's completion j, as OpenAI numbers them.
 
 `echo` puts the prompt in front of each choice's text (and, with `logprobs`, the prompt's tokens with
 their log-probs in front of the completion's); `max_tokens=0` with `echo` gives the prompt alone. The
-engine cannot generate nothing, so it generates one token that is dropped."""
+engine cannot generate nothing, so it generates one token that is dropped. response_format and
+structured_outputs constrain each completion (structured_requests.py)."""
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from nanovllm.entrypoints.protocol import CompletionChoice, CompletionLogprobs, 
     CompletionResponse, UsageInfo
 from nanovllm.entrypoints.server_state import Job, Serving, new_id, now, outputs_of, stream_error
 from nanovllm.entrypoints.streams import SSE_DONE, EventStream, sse
+from nanovllm.entrypoints.structured_requests import requested_structured_outputs
 
 
 class _Completions:
@@ -27,10 +29,11 @@ class _Completions:
         self.texts = TokenTexts(self.tokenizer)
         engine, defaults = serving.engine, serving.engine.get_default_sampling_params()
         echo_logprobs = body.logprobs if body.echo else None
+        structured_outputs, _ = requested_structured_outputs(body)
 
         def make_params(max_tokens: int):
             return body.sampling_params(defaults, max_tokens, None if self.prompt_only else body.logprobs,
-                                        prompt_logprobs=echo_logprobs)
+                                        prompt_logprobs=echo_logprobs, structured_outputs=structured_outputs)
 
         prompts = body.prompts
         self.jobs: list[Job] = [serving.job(p, make_params, 1 if self.prompt_only else body.max_tokens)

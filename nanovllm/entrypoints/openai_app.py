@@ -11,13 +11,14 @@ import hmac
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from nanovllm.entrypoints.chat_completions import create_chat_completion
+from nanovllm.entrypoints.chat_completions import create_chat_completion, render_prompt
+from nanovllm.entrypoints.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from nanovllm.entrypoints.completions import create_completion
 from nanovllm.entrypoints.errors import APIError, install_error_handlers
 from nanovllm.entrypoints.metrics import CONTENT_TYPE, render_metrics
-from nanovllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse
-from nanovllm.entrypoints.server_state import Serving, now
+from nanovllm.entrypoints.protocol import CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, \
+    ModelList, TokenizeResponse
+from nanovllm.entrypoints.server_state import ChatOptions, Serving, now
 from nanovllm.entrypoints.streams import unless_disconnected
 
 
@@ -34,10 +35,12 @@ def _api_key_check(api_key: str | None):
     return check
 
 
-def build_app(engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app over `engine` (an AsyncLLM), answering to the model name `served_model_name`.
-    `app.state.end_requests()` aborts every request in flight (a shutting-down server calls it)."""
-    serving = Serving(engine, served_model_name)
+def build_app(engine, served_model_name: str, api_key: str | None = None,
+              chat_options: ChatOptions | None = None) -> FastAPI:
+    """The app over `engine` (an AsyncLLM), answering to the model name `served_model_name`; chat answers
+    parsed as `chat_options` say (tool calls, reasoning). `app.state.end_requests()` aborts every request in
+    flight (a shutting-down server calls it)."""
+    serving = Serving(engine, served_model_name, chat_options or ChatOptions())
     app = FastAPI(title="nanovllm", summary="an OpenAI-compatible server over nanovllm.AsyncLLM")
     app.state.end_requests = serving.in_flight.abort_all
     install_error_handlers(app)
@@ -75,7 +78,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None) -> Fas
         try:
             if body.messages is not None:
                 conversation = [message.as_dict() for message in body.messages]
-                tokens = engine.chat_prompt(conversation, body.add_generation_prompt)
+                tokens = render_prompt(engine, conversation, body, body.add_generation_prompt)
             else:
                 tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except (ValueError, TypeError) as error:

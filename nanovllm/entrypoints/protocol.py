@@ -1,5 +1,6 @@
-"""The HTTP API's request and response bodies: OpenAI's completions and chat completions (with vLLM's
-extra sampling fields), models, and vLLM's /tokenize and /detokenize.
+"""The HTTP API's request and response bodies that completions and chat share: the sampling fields
+(OpenAI's, with vLLM's extras and structured outputs), OpenAI's completions, models, log-probs and errors,
+and vLLM's /detokenize. Chat's bodies (messages, tools, /tokenize) are in chat_protocol.py.
 
 Requests are checked here, at the edge: types are strict ("0.5" is not a number, 1.0 is not an int, as
 OpenAI reads them), ranges are those of the OpenAI API, and fields this server does not know are
@@ -8,9 +9,9 @@ the vocabulary) is judged by the engine and becomes a 400 in the server.
 """
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128     # OpenAI's limit on completions per prompt
 
@@ -29,37 +30,6 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
-
-
-class ContentPart(RequestModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(RequestModel):
-    """One message of a conversation. Content is text, or a list of text parts (joined); other parts
-    (images, audio) are refused: the models served here read text only."""
-    role: str = Field(min_length=1)
-    content: str | list[ContentPart] | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content):
-        if content is None or isinstance(content, str):
-            return content
-        if not isinstance(content, list):
-            raise ValueError("must be a string or a list of content parts")
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
-        return content
-
-    def as_dict(self) -> dict:
-        """The message as the chat template reads it: {"role", "content": text}."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
 
 
 class SamplingRequest(RequestModel):
@@ -84,6 +54,14 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs (structured_requests.py maps them): OpenAI's response_format, vLLM's
+    # structured_outputs, and vLLM's older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -112,7 +90,8 @@ class SamplingRequest(RequestModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """This request's SamplingParams: its own values, the engine's defaults (generation_config.json
         over SamplingParams') for the fields it leaves out. Raises what SamplingParams raises."""
         def pick(name: str):
@@ -127,7 +106,7 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"), skip_special_tokens=self.skip_special_tokens,
-            **extra)
+            structured_outputs=structured_outputs, **extra)
 
 
 class CompletionRequest(SamplingRequest):
@@ -173,58 +152,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, str) or _is_int(prompt[0]):
             return [prompt]
         return list(prompt)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions: the conversation goes through the tokenizer's chat template."""
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)                 # deprecated by OpenAI for:
-    max_completion_tokens: int | None = Field(None, ge=1)      # None for both: up to max_model_len
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True      # vLLM's
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {\"type\": \"text\"} is not supported")
-        return self
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        """SamplingParams.logprobs: None without logprobs, else top_logprobs (0 by default)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def conversation(self) -> list[dict]:
-        return [message.as_dict() for message in self.messages]
-
-
-class TokenizeRequest(RequestModel):
-    """POST /tokenize (vLLM's): a prompt, or messages through the chat template."""
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True         # for a prompt; a chat template holds its own
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty")
-        return self
 
 
 class DetokenizeRequest(RequestModel):
@@ -287,55 +214,6 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob] | None = None
-
-
-class ChatResponseMessage(ResponseModel):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(ResponseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(ResponseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(ResponseModel):
-    """A streamed choice's new text; the first chunk carries the role. Fields not sent are left out."""
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _sent_only(self, handler):
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatStreamChoice(ResponseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(ResponseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(ResponseModel):

@@ -1,7 +1,8 @@
 """`nanovllm serve MODEL`: the OpenAI-compatible server (openai_app.py) under uvicorn.
 
     nanovllm serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
-                         [every LLM argument: --max-model-len 8192 --tensor-parallel-size 2 ...]
+                         [--enable-auto-tool-choice --tool-call-parser {hermes,llama3_json}]
+                         [every LLM argument: --max-model-len 8192 --reasoning-parser qwen3 ...]
 
 The engine starts first (a bad argument or model fails here, before any port is bound). SIGTERM or
 Ctrl-C: the server stops accepting connections, ends the requests in flight (each finishes with
@@ -17,6 +18,7 @@ import signal
 import sys
 
 from nanovllm.config import Config
+from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
 
 # seconds a request in flight has to finish once aborted, before uvicorn cancels it
@@ -38,6 +40,12 @@ def build_parser(prog: str = "nanovllm serve") -> argparse.ArgumentParser:
     server.add_argument("--api-key", help="if set, /v1 requests need `Authorization: Bearer KEY`")
     server.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" (the default with tools): tool calls parsed from what the model '
+                        "writes, by --tool-call-parser")
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3's <tool_call> blocks; "
+                        "llama3_json: Llama 3's JSON)")
     add_dataclass_options(parser, Config, "engine (any LLM argument)", skip=("model",))
     return parser
 
@@ -83,6 +91,8 @@ def _serve(app, engine, host: str, port: int, log_level: str) -> str | None:
 def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
         from nanovllm.entrypoints.openai_app import build_app
     except ImportError as error:
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
             raise
         parser.error(f"{error}; the server needs the serve extra: pip install 'nano-vllm[serve]'")
     from nanovllm import AsyncLLM
+    from nanovllm.entrypoints.server_state import ChatOptions
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # SIGTERM ends the process through `finally` blocks (its default action skips them and leaves the
@@ -101,7 +112,9 @@ def main(argv: list[str] | None = None, prog: str = "nanovllm serve") -> None:
         parser.error(str(error))
     engine_died = None
     try:
-        app = build_app(engine, args.served_model_name or args.model, args.api_key)
+        options = ChatOptions(args.enable_auto_tool_choice, args.tool_call_parser,
+                              getattr(args, "reasoning_parser", None))     # the engine's, when given
+        app = build_app(engine, args.served_model_name or args.model, args.api_key, options)
         engine_died = _serve(app, engine, args.host, args.port, args.log_level)
     except KeyboardInterrupt:
         pass

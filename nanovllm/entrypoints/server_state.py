@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from nanovllm.entrypoints.errors import APIError, as_api_error
 from nanovllm.entrypoints.protocol import ErrorResponse
+from nanovllm.entrypoints.reasoning_parsers import reasoning_parser
 from nanovllm.entrypoints.streams import InFlight, merge, sse
+from nanovllm.entrypoints.tool_parsers import tool_parser
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -20,10 +22,29 @@ class Job:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """The server's options for chat answers (nanovllm serve's flags, vLLM's names): tool_choice "auto"
+    parses calls with `tool_call_parser` (needs `enable_auto_tool_choice`); `reasoning_parser` splits
+    the thinking from the answer (the engine's Config.reasoning_parser)."""
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self):
+        if self.tool_call_parser is not None:
+            tool_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
 @dataclass
 class Serving:
     engine: object                  # nanovllm.AsyncLLM, or anything with its interface
     model_name: str
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
     in_flight: InFlight = field(init=False)
 
     def __post_init__(self):

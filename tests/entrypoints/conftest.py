@@ -45,7 +45,8 @@ class FakeEngine:
     f"{j}: the quick brown fox ..." one byte-token per output; log-probs are made up (the chosen token
     -0.5, then -1.5, -2.5, ... for the next ids). A prompt containing "refuse-later" is refused by
     generate() although check_request() passes it. Every request's end is recorded in `ended`. die(reason)
-    plays the engine process's death: requests in flight and later ones raise EngineDeadError."""
+    plays the engine process's death: requests in flight and later ones raise EngineDeadError. `script`,
+    when set, is what every completion spells instead, ending there with finish_reason "stop" (as on eos)."""
     TEXT = ": the quick brown fox jumps over the lazy dog. "
 
     def __init__(self, delay: float = 0.0, max_model_len: int = 64):
@@ -62,6 +63,7 @@ class FakeEngine:
         self.is_running = True
         self.dead_reason: str | None = None
         self._dead_callbacks: list = []
+        self.script: str | None = None
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.defaults
@@ -100,7 +102,7 @@ class FakeEngine:
         if "refuse-later" in self.tokenizer.decode(ids):
             raise ValueError("refused by the engine")
         self.requests[request_id] = params
-        texts = [f"{j}{self.TEXT}" * 4 for j in range(params.n)]
+        texts = [self.script if self.script is not None else f"{j}{self.TEXT}" * 4 for j in range(params.n)]
         done = [False] * params.n
         made: list[list[int]] = [[] for _ in range(params.n)]
         prompt_logprobs = None
@@ -131,6 +133,8 @@ class FakeEngine:
                         finish, stop_reason = "stop", hit[0]
                     elif len(made[j]) == params.max_tokens:
                         finish = "length"
+                    elif len(made[j]) == len(texts[j]):
+                        finish = "stop"
                     logprobs = [self._logprobs(token, params.logprobs)] if params.logprobs is not None else None
                     piece = texts[j][step] if not hit else ""
                     deltas.append(FakeDelta(j, [token], piece, logprobs, finish, stop_reason))
