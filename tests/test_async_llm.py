@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from nanovllm import LLM, AsyncLLM, SamplingParams
+from nanovllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 from oracle import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,6 +113,34 @@ def test_a_request_ends_exactly_when_its_last_completion_does(tiny_model, engine
     # the mix this test is about: stop tokens, stop strings and the length limit, at many steps
     assert {("stop", "int"), ("stop", "str"), ("length", "NoneType")} <= reasons and len(lengths) > 5
     assert engine.stats()["num_used_blocks"] == 0
+
+
+def test_structured_outputs_stream_and_a_bad_one_is_refused_in_the_callers_process(tiny_model, engine):
+    """A regex-constrained request with n = 3 (random weights, temperature 1: only the mask keeps it in
+    shape): every streamed completion matches in full and equals LLM.generate's for the same seed; a
+    malformed regex raises ValueError before anything is yielded, and the engine goes on."""
+    import re
+    pattern = r"(ab|ba)+c"
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=24,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    texts, tokens, outputs = asyncio.run(collect(engine, "x", params, "regex"))
+    assert outputs[-1].finished and len(texts) == 3
+    with LLM(str(tiny_model), device="cpu", max_model_len=256) as llm:
+        [expected] = llm.generate(["x"], params, use_tqdm=False)
+    for index, completion in enumerate(expected["outputs"]):
+        assert texts[index] == completion["text"] and tokens[index] == completion["token_ids"]
+        if completion["finish_reason"] == "stop":
+            assert re.fullmatch(pattern, completion["text"])
+        else:
+            assert re.fullmatch(r"((ab|ba)+c?|(ab|ba)*[ab])", completion["text"])    # a prefix, cut off
+    assert any(c["finish_reason"] == "stop" for c in expected["outputs"])
+
+    async def refused():
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
+        async for _ in engine.generate("x", bad, "bad regex"):
+            raise AssertionError("yielded")
+    with pytest.raises(ValueError, match="structured_outputs.regex is not valid"):
+        asyncio.run(refused())
 
 
 def test_refusals_raise_before_anything_runs_and_the_engine_goes_on(engine):

@@ -5,7 +5,7 @@ from time import perf_counter
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from nanovllm.config import Config
+from nanovllm.config import REASONING_MARKERS, Config
 from nanovllm.distributed.workers import Workers, refuse_in_spawn_bootstrap
 from nanovllm.engine.messages import CompletionUpdate
 from nanovllm.engine.model_runner import ModelRunner
@@ -14,6 +14,7 @@ from nanovllm.engine.step_outputs import completion_updates, record_logprobs, re
 from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import StructuredOutputs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -48,6 +49,8 @@ class LLMEngine:
         self.limits = RequestLimits(config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
                                     self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, config.eos_token_ids,
+                                                    REASONING_MARKERS.get(config.reasoning_parser))
         self._exited = False
         atexit.register(self.exit)
 
@@ -81,8 +84,13 @@ class LLMEngine:
     def _make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
         """Check one request in full, without touching any engine state."""
         token_ids = checked_request(self.tokenizer, prompt, sampling_params, self.limits)
-        block_size = self.config.kvcache_block_size
-        return Sequence(token_ids, sampling_params, block_size)
+        return self._new_sequence(token_ids, sampling_params)
+
+    def _new_sequence(self, token_ids: list[int], sampling_params: SamplingParams) -> Sequence:
+        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
+        if sampling_params.structured_outputs is not None:     # its grammar compiled (once per distinct text)
+            seq.grammar = self.structured_outputs.new_state(sampling_params.structured_outputs, token_ids)
+        return seq
 
     def check_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> None:
         """Raise (ValueError or TypeError, naming the problem) where generate() would refuse this request."""
@@ -97,7 +105,7 @@ class LLMEngine:
 
     def add_checked_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> int:
         """Queue a request that was checked at the edge it entered by (AsyncLLM.check_request)."""
-        seq = Sequence(prompt_token_ids, sampling_params, self.config.kvcache_block_size)
+        seq = self._new_sequence(prompt_token_ids, sampling_params)
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -132,20 +140,36 @@ class LLMEngine:
 
     def _step_and_collect(self) -> tuple[list[Sequence], int]:
         seqs, is_prefill = self.scheduler.schedule()
-        launched, num_tokens = None, 0
+        launched, num_tokens, constrained = None, 0, False
         if seqs:
             num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
             prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
+            # constrained sequences: the forward pass now, the sampling once the masks are known (below)
+            constrained = any(seq.grammar is not None for seq in seqs)
             sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
-                                 prompt_rows)
+                                 prompt_rows, constrained)
             self._ended_seq_ids = []
             launched = (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows])
         elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         previous, self._in_flight = self._in_flight, launched
         self.updates = []
-        if previous is None:
-            return [], num_tokens
+        finished = self._collect(previous) if previous is not None else []
+        if constrained:   # the grammars have the previous step's tokens: mask and sample this one
+            self._in_flight = (launched[0], self._sample_deferred(seqs), launched[2])
+        return finished, num_tokens
+
+    def _sample_deferred(self, seqs: list[Sequence]):
+        """Sample the launched step with its structured outputs' masks (rank 0 alone needs them)."""
+        token_bitmask = self.structured_outputs.bitmask(seqs)
+        self._cut_short = bool(self.workers.processes)
+        self.workers.send("sample_deferred", (None,))
+        sampled = self.model_runner.sample_deferred(token_bitmask)
+        self._cut_short = False
+        return sampled
+
+    def _collect(self, previous) -> list[Sequence]:
+        """The tokens of the step launched before: log-probs, finishes, and the updates they make."""
         awaiting, sampled, prompt_seqs = previous
         token_ids = sampled.tolist()
         logprobs = sampled.logprobs()
@@ -157,7 +181,7 @@ class LLMEngine:
         finished = self.scheduler.postprocess(awaiting, token_ids)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)
         self.updates = completion_updates(awaiting)
-        return finished, num_tokens
+        return finished
 
     @staticmethod
     def _prompt_logprob_rows(seqs: list[Sequence]) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
-from nanovllm.utils.transfer import list_to_device
+from nanovllm.utils.transfer import list_to_device, to_device
 
 
 class ModelRunner:
@@ -74,6 +74,7 @@ class ModelRunner:
         # whose token is still PENDING on the host is taken from here, on the device
         self.sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         self.sampled_rows: dict[int, int] = {}
+        self._deferred = None       # a step whose sampling waits for sample_deferred()
         self.ops = attention_ops(config.attention_backend)
         for layer in self._attention_layers():
             layer.ops = self.ops
@@ -149,15 +150,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = (),
-            finished_seq_ids: list[int] = (), prompt_logprob_rows: list[tuple[int, int]] = ()
-            ) -> SampledTokens | None:
+            finished_seq_ids: list[int] = (), prompt_logprob_rows: list[tuple[int, int]] = (),
+            defer_sampling: bool = False) -> SampledTokens | None:
         """Launch one step; rank 0 gets its sampled tokens (one per seq) as they will arrive.
 
         A prefill may carry completions split off a prompt computed in this very step (n > 1): they
         compute nothing, sample from their parent's logits, and get copies of its partial last block
         (block_copies: (source, destination)) once its KV is written. finished_seq_ids: sequences that
         ended since the last step (their sampling state is freed). prompt_logprob_rows: (index in seqs,
-        k) of the prefilled sequences that want their prompt's log-probs (SampledTokens carries them)."""
+        k) of the prefilled sequences that want their prompt's log-probs (SampledTokens carries them).
+        defer_sampling: launch the forward pass alone; sample_deferred() samples it later (structured
+        outputs: the host fills the step's token masks while the device runs the forward pass)."""
         computed = [seq for seq in seqs if seq.num_scheduled_tokens] if is_prefill else seqs
         logits_rows = None
         if len(computed) < len(seqs):   # each split-off completion follows its parent: sample the parent's row
@@ -177,6 +180,25 @@ class ModelRunner:
             logits = self.run_model(input_ids, positions, is_prefill, len(computed))
         if block_copies:
             self.copy_blocks(block_copies)
+        reset_context()
+        step = (seqs, logits, tensors, penalty_rows, prompt_logprobs) if self.rank == 0 else (seqs,)
+        if defer_sampling:
+            self._deferred = step
+            return None
+        return self._sample(*step)
+
+    @torch.inference_mode()
+    def sample_deferred(self, token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> SampledTokens | None:
+        """Sample the step run(defer_sampling=True) launched; token_bitmask (rank 0, on the host):
+        structured outputs' (bitmask, rows), see SamplingTensors."""
+        step, self._deferred = self._deferred, None
+        if self.rank == 0 and token_bitmask is not None:
+            step[2].token_bitmask = tuple(to_device(t.numpy(), self.device) for t in token_bitmask)
+        return self._sample(*step)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None = None, tensors=None, penalty_rows=None,
+                prompt_logprobs=None) -> SampledTokens | None:
         if self.rank == 0:
             output = self.sampler(logits, tensors)
             if penalty_rows is not None:
@@ -186,7 +208,6 @@ class ModelRunner:
             token_ids = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
         self.tp.broadcast_from_first(token_ids)       # every rank feeds them to its next decode step
         self.sampled, self.sampled_rows = token_ids, {seq.seq_id: i for i, seq in enumerate(seqs)}
-        reset_context()
         return SampledTokens(output, prompt_logprobs) if self.rank == 0 else None
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[Sequence], computed: list[Sequence],

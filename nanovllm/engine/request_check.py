@@ -3,6 +3,7 @@ AsyncLLM checks it in the server's process before sending it to the engine's (so
 before any stream starts)."""
 from dataclasses import dataclass
 
+from nanovllm.engine.structured_output import check_structured_outputs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ def check_request(token_ids: list[int], sampling_params: SamplingParams, limits:
     bad = [t for t in sampling_params.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
+    check_structured_outputs(sampling_params.structured_outputs)
     longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
     if (longest + limits.block_size - 1) // limits.block_size > limits.num_blocks:
         raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "

@@ -199,6 +199,8 @@ class Scheduler:
             if seq is None or seq.is_finished:  # a chunk, or stopped on eos one step before
                 continue
             seq.fill_pending(token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept(token_id)
             self.block_manager.hash_blocks(seq)
             known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens   # completion tokens, this one too
             if known > seq.sampling_params.min_tokens and (

@@ -49,6 +49,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_reported_tokens = 0     # completion tokens already in a CompletionUpdate
         self.finish_reported = False     # its end is in one too: later rows of it (a step late) say nothing
+        self.grammar = None              # a structured output's GrammarState (engine/structured_output.py)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -99,6 +100,7 @@ class Sequence:
         child = Sequence(self.token_ids, self.sampling_params, self.block_size, index, self.parent_id)
         child.status = self.status
         child.num_prompt_tokens = self.num_prompt_tokens
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         return child
 
     def append_pending(self) -> None:

@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.kernels import penalties as penalty_kernels
 from nanovllm.kernels import sampling as kernels
+from nanovllm.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
 from nanovllm.layers.logits_processor import (apply_penalties, ban_tokens, keep_at_least,
                                               thresholds_from_candidates)
 
@@ -37,6 +38,8 @@ class SamplingTensors:
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) set to -inf
     logits_rows: torch.Tensor | None = None     # the logits row of each sampled row (n > 1 repeats one)
+    # structured outputs: (bitmask [r, words] int32, rows [r] int32): tokens whose bit is 0 get -inf
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     """penalties -> temperature -> min_p -> top_k -> top_p -> draw, and log-probs of the raw logits.
+    A structured output's mask comes first, before the log-probs too (as in vLLM: a token the grammar
+    forbids has log-prob -inf).
 
     On a GPU nothing sorts the vocabulary and nothing waits for the host: the Triton kernels find each
     row's largest logits and softmax normalizers in two passes, the filters become one threshold a row,
@@ -86,6 +91,9 @@ class Sampler(nn.Module):
                                         output_counts=output_counts, repetition=torch.full((2,), 1.1, device=device),
                                         frequency=torch.full((2,), 0.5, device=device),
                                         presence=torch.full((2,), 0.5, device=device))
+            if edits:       # and a structured output's mask
+                t.token_bitmask = (torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device),
+                                   rows[:1].clone())
             output = self(logits, t)
             if edits and self._on_kernels(logits):      # PenaltyState.count's kernel
                 penalty_kernels.count_tokens(output_counts, state_rows, output.token_ids[t.penalties.rows])
@@ -96,12 +104,15 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         if tensors.logits_rows is not None:
             logits = logits[tensors.logits_rows]
+        on_kernels = self._on_kernels(logits)
+        if tensors.token_bitmask is not None:
+            mask = apply_token_bitmask if on_kernels else apply_token_bitmask_reference
+            mask(logits, *tensors.token_bitmask)
         raw = logits
         edits = tensors.penalties is not None or tensors.banned is not None
         num_top = tensors.max_logprobs
         if edits and num_top is not None:
             logits = logits.clone()     # the edits are in place; log-probs need the raw values
-        on_kernels = self._on_kernels(logits)
         # log-probs come from the raw logits: in the GPU's one pass when nothing edits them first
         fused = on_kernels and num_top is not None and not edits and num_top <= kernels.max_candidates(logits.size(1))
         output = SamplerOutput(token_ids=torch.empty(0))

@@ -1,5 +1,5 @@
 """Start-up compiles every kernel variant a request can reach: after LLM(...) returns, requests with any
-sampling setting, batch size, prompt length, prefix-cache hits, n and an fp8 cache compile nothing more
+sampling setting (structured outputs too), batch size, prompt length, prefix-cache hits, n and an fp8 cache compile nothing more
 with Triton (issue 23: the first request with top_p/top_k waited ~2 s for two sampling kernels)."""
 import pytest
 import torch
@@ -15,7 +15,11 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=0.6), dict(temperature=0.6, 
             dict(temperature=0.6, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
             dict(temperature=0.6, repetition_penalty=1.2, logprobs=3), dict(temperature=0.6, seed=7),
             dict(temperature=0.8, n=3, top_k=50), dict(temperature=0.6, min_tokens=4),
-            dict(temperature=0.6, stop=["a"], top_p=0.9, logprobs=2)]
+            dict(temperature=0.6, stop=["a"], top_p=0.9, logprobs=2),
+            # structured outputs: the token-mask kernel, alone and beside penalties and log-probs
+            dict(temperature=0.6, structured_outputs={"regex": "[a-z ]{1,40}"}),
+            dict(temperature=0.0, logprobs=2, repetition_penalty=1.1, n=2,
+                 structured_outputs={"choice": ["alpha beta gamma delta", "x"]})]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

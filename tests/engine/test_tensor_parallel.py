@@ -115,3 +115,24 @@ def test_tp2_samples_what_tp1_samples_with_every_option(model_dir):
             outputs[tp] = [[c["token_ids"] for c in o["outputs"]] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs[2] == outputs[1]
     assert len(set(map(tuple, outputs[1][0]))) == 1 and len(outputs[1][0]) == 3    # greedy twins
+
+
+def test_structured_outputs_under_tp2_equal_one_rank(model_dir):
+    """Rank 0 alone holds the grammars and masks its sampling; rank 1 joins the deferred sampling's
+    broadcast. Seeded regex-constrained completions (random weights, temperature 1) equal one rank's."""
+    import re
+    pytest.importorskip("xgrammar")
+    from nanovllm import StructuredOutputsParams
+    pattern = r"[a-c]{2,6}(-[a-c]{2,6}){1,3}"
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, n=2,
+                             structured_outputs=StructuredOutputsParams(regex=pattern)) for s in range(4)]
+    prompts = prompts_with_shared_prefix(4)
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(str(model_dir), device="cpu", tensor_parallel_size=tp, kvcache_block_size=16) as llm:
+            outputs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["outputs"] for o in outputs[2]] == [o["outputs"] for o in outputs[1]]
+    completions = [c for o in outputs[1] for c in o["outputs"]]
+    assert any(c["finish_reason"] == "stop" for c in completions)
+    for c in completions:
+        assert c["finish_reason"] == "length" or re.fullmatch(pattern, c["text"]), c["text"]

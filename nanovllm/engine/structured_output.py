@@ -1,0 +1,220 @@
+"""Structured outputs: each constrained sequence's grammar state, and the token masks the sampler applies.
+
+The grammars are xgrammar's (JSON schemas, regexes, EBNF, xgrammar's structural tags), chosen over
+llguidance because vLLM's default backend is xgrammar (the same grammar dialects and the same outputs for
+code written against vLLM), its matcher forks (n completions) and rolls back (speculative decoding), and
+its compiled grammars precompute which tokens each state allows, so a mask costs tens of microseconds.
+xgrammar is imported only when a request asks for a structured output.
+
+Flow: a request's constraint is parsed when it is checked (check_structured_outputs: a bad one is a
+ValueError before anything runs), compiled against the tokenizer once per distinct text (the engine's
+StructuredOutputs keeps them), and each of its sequences gets a GrammarState. The engine launches a step
+that holds constrained sequences without its sampling; while the device runs that step's forward pass, it
+collects the previous step's tokens (the scheduler feeds them to each state) and fills this step's
+bitmask rows here, then launches the sampling with the mask (kernels/token_bitmask applies it).
+
+With a reasoning parser (Config.reasoning_parser) a state waits for the end of the model's thinking (the
+end marker in the output, or already in the prompt) before it constrains anything.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanovllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nanovllm.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256     # compiled grammars kept per engine (a compiled JSON schema is ~100 KB)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError("structured outputs need the xgrammar package: pip install xgrammar") from None
+    return xgrammar
+
+
+def constraint_key(params: StructuredOutputsParams) -> tuple:
+    """What identifies a compiled grammar: the constraint's kind, its text and the options it depends on."""
+    value = getattr(params, params.kind)
+    if params.kind == "json":
+        value = value if isinstance(value, str) else json.dumps(value)     # key order matters: it is the output's
+    elif params.kind == "choice":
+        value = tuple(value)
+    return params.kind, value, params.disable_any_whitespace
+
+
+def _ebnf_string(text: str) -> str:
+    """text as an EBNF string literal (xgrammar's escapes)."""
+    out = []
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char.isprintable():
+            out.append(char)
+        elif ord(char) <= 0xFFFF:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(f"\\U{ord(char):08x}")
+    return '"' + "".join(out) + '"'
+
+
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _parsed_grammar(key: tuple):
+    """The xgrammar Grammar of a constraint (tokenizer-independent); raises ValueError if it is malformed."""
+    xgr = _xgrammar()
+    kind, value, disable_any_whitespace = key
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(value, any_whitespace=not disable_any_whitespace)
+        if kind == "json_object":     # an object (xgrammar's built-in JSON grammar takes any value)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                any_whitespace=not disable_any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(choice) for choice in value))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(value)
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(value)
+    except Exception as error:     # xgrammar raises RuntimeError (and its own errors) with the parser's words
+        lines = str(error).strip().splitlines()
+        # the last line, less xgrammar's "[time] file.cc:line: " prefix
+        detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[-1]) if lines else type(error).__name__
+        raise ValueError(f"structured_outputs.{kind} is not valid: {detail}") from None
+    raise AssertionError(kind)
+
+
+def check_structured_outputs(params: StructuredOutputsParams | None) -> None:
+    """Raise ValueError, naming the problem, if the constraint is malformed (an unparsable schema, regex,
+    grammar or tag); parsed grammars are cached, so the engine does not parse them again."""
+    if params is not None:
+        _parsed_grammar(constraint_key(params))
+
+
+class GrammarState:
+    """One sequence's place in its grammar: which tokens may come next. A reasoning gate (end marker)
+    keeps it open, constraining nothing, until the model's thinking has ended."""
+
+    def __init__(self, matcher, reasoning: "ReasoningGate | None" = None):
+        self.matcher = matcher
+        self.reasoning = reasoning
+        self.broken = False
+
+    @property
+    def active(self) -> bool:
+        return not self.broken and (self.reasoning is None or self.reasoning.ended)
+
+    def accept(self, token_id: int) -> None:
+        """The sequence's next token. The mask lets no other through, except where the request's own
+        settings leave the grammar no token (min_tokens banning the end-of-sequence token the grammar
+        needs): then the sequence goes on unconstrained, and a warning says so."""
+        if self.broken:
+            return
+        if not self.active:
+            self.reasoning.feed(token_id)
+            return
+        if self.matcher.is_terminated():
+            return      # the stop token is in: what follows (a step in flight) is never used
+        if not self.matcher.accept_token(token_id):
+            self.broken = True
+            logger.warning("token %d breaks its structured output's grammar (min_tokens longer than the "
+                           "grammar?); the rest of this completion is unconstrained", token_id)
+
+    def fork(self) -> "GrammarState":
+        """The same state for a new completion that continues from here on its own."""
+        reasoning = None if self.reasoning is None else self.reasoning.fork()
+        return GrammarState(self.matcher.fork(), reasoning)
+
+
+class ReasoningGate:
+    """Has the model's thinking ended? It has once the end marker is in the text after the last start
+    marker: in the prompt already (a template that closes an empty thought) or in the output so far."""
+
+    def __init__(self, tokenizer, start: str, end: str, prompt_token_ids: list[int]):
+        self.tokenizer, self.start, self.end = tokenizer, start, end
+        text = tokenizer.decode(prompt_token_ids)
+        self.ended = text.rfind(end) > text.rfind(start) if end in text else False
+        self.tail = ""      # the output's last characters, as long as the end marker
+
+    def feed(self, token_id: int) -> None:
+        self.tail = (self.tail + self.tokenizer.decode([token_id]))[-4 * len(self.end):]
+        if self.end in self.tail:
+            self.ended = True
+
+    def fork(self) -> "ReasoningGate":
+        twin = object.__new__(ReasoningGate)
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+
+class StructuredOutputs:
+    """An engine's grammars: compiled against its tokenizer and vocabulary once per distinct constraint,
+    states for new sequences, and each step's bitmask rows."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 reasoning_markers: tuple[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(eos_token_ids)
+        self.reasoning_markers = reasoning_markers
+        self._compiler = None
+        self._batch = None      # xgrammar's BatchGrammarMatcher: fills many rows on several threads
+        self._compiled: dict[tuple, object] = {}      # constraint_key -> CompiledGrammar, least recent first
+
+    @property
+    def num_words(self) -> int:
+        """int32 words a bitmask row holds: one bit a token."""
+        return (self.vocab_size + 31) // 32
+
+    def _compile(self, params: StructuredOutputsParams):
+        key = constraint_key(params)
+        compiled = self._compiled.pop(key, None)
+        if compiled is None:
+            xgr = _xgrammar()
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            compiled = self._compiler.compile_grammar(_parsed_grammar(key))
+            if len(self._compiled) >= MAX_CACHED_GRAMMARS:
+                self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[key] = compiled      # most recent last
+        return compiled
+
+    def new_state(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> GrammarState:
+        """The grammar state of a new request's first sequence (its other completions fork it)."""
+        matcher = _xgrammar().GrammarMatcher(self._compile(params), override_stop_tokens=self.stop_token_ids)
+        reasoning = None
+        if self.reasoning_markers is not None:
+            reasoning = ReasoningGate(self.tokenizer, *self.reasoning_markers, prompt_token_ids)
+        return GrammarState(matcher, reasoning)
+
+    def bitmask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(bitmask [rows, num_words] int32, the batch rows they mask [rows] int32) for this step's
+        sequences that are constrained now, on the host; None if none is. xgrammar fills the rows on
+        several threads."""
+        rows = [i for i, seq in enumerate(seqs)
+                if seq.grammar is not None and not seq.is_finished and seq.grammar.active]
+        if not rows:
+            return None
+        bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
+        matchers = [seqs[i].grammar.matcher for i in rows]
+        if len(rows) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            if self._batch is None:
+                self._batch = _xgrammar().BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask, torch.tensor(rows, dtype=torch.int32)

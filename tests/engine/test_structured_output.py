@@ -1,0 +1,184 @@
+"""Structured outputs, on the real default model (SmolLM2-135M-Instruct, byte-level BPE) at temperature
+1.0, where only the grammar keeps the output in shape: JSON schemas, JSON objects, regexes, choices and
+EBNF grammars always conform and end on the end-of-sequence token; the masks are the grammar library's
+own, token by token; they work with n, seeds, stop strings, penalties, log-probs, preemption, chunked
+prefill and prefix-cache hits; a malformed constraint is a ValueError before anything runs."""
+import json
+import re
+
+import pytest
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.utils.gguf_checkpoint import default_model
+
+jsonschema = pytest.importorskip("jsonschema")
+xgr = pytest.importorskip("xgrammar")
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(600)]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "score", "address", "tags"],
+}
+ASK = [{"role": "user", "content": "Describe a user of a web site."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(default_model(), device="cpu") as engine:
+        yield engine
+
+
+def sampled(structured_outputs, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 120, **kwargs},
+                          structured_outputs=structured_outputs)
+
+
+def replay(llm: LLM, params: StructuredOutputsParams, token_ids: list[int]) -> bool:
+    """Feed the output through xgrammar's own matcher: every token must be one its bitmask allows.
+    Returns whether the grammar ended (its stop token accepted)."""
+    info = xgr.TokenizerInfo.from_huggingface(llm.tokenizer, vocab_size=llm.vocab_size,
+                                              stop_token_ids=sorted(llm.config.eos_token_ids))
+    compiler = xgr.GrammarCompiler(info)
+    kind = params.kind
+    if kind == "json":
+        compiled = compiler.compile_json_schema(json.dumps(params.json),
+                                                any_whitespace=not params.disable_any_whitespace)
+    elif kind == "json_object":
+        compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
+    elif kind == "regex":
+        compiled = compiler.compile_regex(params.regex)
+    else:
+        compiled = compiler.compile_grammar(params.grammar)
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, llm.vocab_size)
+    for token_id in token_ids:
+        matcher.fill_next_token_bitmask(bitmask)
+        word = int(bitmask[0, token_id // 32]) & 0xFFFFFFFF
+        assert (word >> (token_id % 32)) & 1, f"token {token_id} was not allowed here"
+        assert matcher.accept_token(token_id)
+    return matcher.is_terminated()
+
+
+def test_json_schemas_are_always_met_and_the_masks_are_xgrammars(llm):
+    params = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    outputs = llm.chat([ASK] * 6, [sampled(params, seed=s) for s in range(6)], use_tqdm=False)
+    for output in outputs:
+        assert output["finish_reason"] == "stop", output["text"]
+        value = json.loads(output["text"])
+        jsonschema.validate(value, PERSON)
+        assert list(value) == list(PERSON["properties"])        # in the schema's order
+        assert replay(llm, params, output["token_ids"])         # eos included, and it ended the grammar
+    assert len({output["text"] for output in outputs}) > 1      # sampled, not one forced answer
+
+
+def test_json_objects_regexes_choices_and_grammars(llm):
+    """Each output conforms in full; one that max_tokens cut off is a prefix the grammar accepts."""
+    ebnf = 'root ::= "(" num " " op " " num ")"\nnum ::= [1-9] [0-9]?\nop ::= "+" | "-" | "*"'
+    cases = [
+        (StructuredOutputsParams(json_object=True), lambda text: isinstance(json.loads(text), dict)),
+        (StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} \d{3}-\d{4}"),
+         lambda text: re.fullmatch(r"[A-Z][a-z]{2,8} \d{3}-\d{4}", text)),
+        (StructuredOutputsParams(choice=["yes", "no", 'maybe "so"', "é\n"]),
+         lambda text: text in ("yes", "no", 'maybe "so"', "é\n")),
+        (StructuredOutputsParams(grammar=ebnf), lambda text: re.fullmatch(r"\([1-9][0-9]? [+*-] [1-9][0-9]?\)", text)),
+    ]
+    ask = [{"role": "user", "content": "Answer in JSON: what is your name and age?"}]
+    for params, conforms in cases:
+        outputs = llm.chat([ask] * 4, [sampled(params, seed=s, max_tokens=48) for s in range(4)], use_tqdm=False)
+        for output in outputs:
+            ended = replay(llm, params, output["token_ids"]) if params.kind != "choice" else True
+            if output["finish_reason"] == "length":
+                assert not ended and len(output["token_ids"]) == 48
+            else:
+                assert output["finish_reason"] == "stop" and ended and conforms(output["text"]), output["text"]
+        assert any(output["finish_reason"] == "stop" for output in outputs), params.kind
+
+
+def test_choices_with_n_seeds_penalties_and_logprobs(llm):
+    choices = ["red", "green", "blue", "yellow"]
+    params = sampled(StructuredOutputsParams(choice=choices), n=8, seed=7, logprobs=3, repetition_penalty=1.3,
+                     presence_penalty=0.5)
+    [output] = llm.generate(["My favourite colour is"], params, use_tqdm=False)
+    assert len(output["outputs"]) == 8
+    for completion in output["outputs"]:
+        assert completion["text"] in choices and completion["finish_reason"] == "stop"
+        for token_id, top in zip(completion["token_ids"], completion["logprobs"]):
+            assert top[token_id] > float("-inf")
+            # the mask comes before the log-probs: a forbidden token never looks likely
+            assert all(value == float("-inf") or token_id in top for value in top.values())
+    again = llm.generate(["My favourite colour is"], params, use_tqdm=False)[0]
+    assert [c["text"] for c in again["outputs"]] == [c["text"] for c in output["outputs"]]     # the seed holds
+    assert len({c["text"] for c in output["outputs"]}) > 1
+
+
+def test_a_stop_string_or_max_tokens_ends_a_constrained_output_early(llm):
+    params = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    [stopped] = llm.chat(ASK, sampled(params, seed=3, stop=['"age"']), use_tqdm=False)
+    assert stopped["finish_reason"] == "stop" and re.match(r'\{"name": ?"', stopped["text"])
+    assert '"age"' not in stopped["text"]
+    [cut] = llm.chat(ASK, sampled(params, seed=3, max_tokens=5), use_tqdm=False)
+    assert cut["finish_reason"] == "length" and len(cut["token_ids"]) == 5 and cut["text"].startswith('{"')
+
+
+def test_malformed_constraints_are_refused_before_anything_runs(llm):
+    for params, words in [(StructuredOutputsParams(regex="(ab"), "regex"),
+                          (StructuredOutputsParams(grammar="root ::= missing"), "grammar"),
+                          (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}), "json")]:
+        with pytest.raises(ValueError, match=f"structured_outputs.{words} is not valid"):
+            llm.generate(["hello", "world"], [SamplingParams(), SamplingParams(structured_outputs=params)],
+                         use_tqdm=False)
+        assert llm.is_finished()        # the good request in the same call never started either
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def test_constrained_outputs_survive_preemption_chunked_prefill_and_cache_hits():
+    """A KV cache too small for the batch (sequences are preempted and recomputed), prompts longer than
+    a step's token budget (chunked), and the same prompts again (prefix-cache hits): the seeded outputs
+    equal those of an engine with room for everything."""
+    params = [sampled(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), seed=s) for s in range(6)]
+    long_ask = [{"role": "user", "content": "Describe a user of a web site. " * 8}]
+    with LLM(default_model(), device="cpu") as roomy:
+        expected = [o["text"] for o in roomy.chat([long_ask] * 6, params, use_tqdm=False)]
+    with LLM(default_model(), device="cpu", kvcache_block_size=16, num_kvcache_blocks=30,
+             max_num_batched_tokens=64, max_model_len=512) as tight:
+        first = tight.chat([long_ask] * 6, params, use_tqdm=False)
+        assert tight.stats["num_preemptions"] > 0
+        second = tight.chat([long_ask] * 6, params, use_tqdm=False)
+        assert tight.stats["num_prefix_cache_hit_tokens"] > 0
+    for outputs in (first, second):
+        assert [o["text"] for o in outputs] == expected
+        for output in outputs:
+            jsonschema.validate(json.loads(output["text"]), PERSON)
+
+
+def test_a_reasoning_parser_leaves_the_thinking_free_and_constrains_the_answer(llm):
+    """With reasoning_parser set, a prompt whose template already closed the thinking (Qwen3 with
+    enable_thinking=False writes an empty <think></think>) is constrained from the first token; one
+    that opens a thought is not, until the output closes it."""
+    from nanovllm.engine.structured_output import StructuredOutputs
+    outputs = StructuredOutputs(llm.tokenizer, llm.vocab_size, llm.config.eos_token_ids, ("<think>", "</think>"))
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    encode = llm.tokenizer.encode
+    closed = outputs.new_state(params, encode("Question?<think>\n\n</think>\n\n"))
+    assert closed.active
+    thinking = outputs.new_state(params, encode("Question?<think>\n"))
+    assert not thinking.active
+    for token_id in encode("Hmm, let me see. </think>"):
+        assert not thinking.active
+        thinking.accept(token_id)       # any token while thinking
+    assert thinking.active
+    for token_id in encode("yes") + [llm.tokenizer.eos_token_id]:
+        thinking.accept(token_id)
+    assert thinking.matcher.is_terminated() and not thinking.broken
