@@ -345,11 +345,24 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
                 bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s, **moe, **fp8)
 
 
+# --structured-outputs presets: constraints that a random-weight model never completes within max_tokens
+# (ignore_eos), so that every decode step of every request is masked
+STRUCTURED_PRESETS = {
+    "json-records": {"json": {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"}}, "required": ["id", "name", "tags", "score"]}}},
+    "regex-words": {"regex": "([a-z]+ )+"},
+}
+
+
 def sampling_options(args: argparse.Namespace) -> dict:
     """The SamplingParams fields the command line sets (the standard workload: temperature 0.6 alone)."""
-    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                logprobs=args.logprobs, n=args.n, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    options = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                   logprobs=args.logprobs, n=args.n, repetition_penalty=args.repetition_penalty,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    if args.structured_outputs is not None:
+        options["structured_outputs"] = STRUCTURED_PRESETS.get(args.structured_outputs) or json.loads(args.structured_outputs)
+    return options
 
 
 def make_engine(args: argparse.Namespace, model: Path, max_model_len: int = MAX_MODEL_LEN):
@@ -557,6 +570,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="over prompt and output (1.1 is in many checkpoints' generation_config.json)")
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--frequency-penalty", type=float, default=0.0)
+    sampling.add_argument("--structured-outputs", metavar="JSON|PRESET",
+                          help="every request under this constraint: StructuredOutputsParams' fields as JSON "
+                               "(e.g. '{\"regex\": \"[a-z ]+\"}'), or a preset: " + ", ".join(STRUCTURED_PRESETS))
     engine = parser.add_argument_group("nanovllm engine knobs (default: the engine's own)")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile")
     engine.add_argument("--tensor-parallel-size", type=int,

@@ -50,7 +50,10 @@ class LLMEngine:
                                     self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, config.eos_token_ids,
-                                                    REASONING_MARKERS.get(config.reasoning_parser))
+                                                    REASONING_MARKERS.get(config.reasoning_parser),
+                                                    pin_memory=config.device == "cuda")
+        if config.device == "cuda":     # a CPU engine (tests) saves the thread its time
+            self.structured_outputs.prepare_in_background()
         self._exited = False
         atexit.register(self.exit)
 

@@ -18,7 +18,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
-from nanovllm.utils.transfer import list_to_device, to_device
+from nanovllm.utils.transfer import list_to_device
 
 
 class ModelRunner:
@@ -190,11 +190,11 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_deferred(self, token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
                         ) -> SampledTokens | None:
-        """Sample the step run(defer_sampling=True) launched; token_bitmask (rank 0, on the host):
-        structured outputs' (bitmask, rows), see SamplingTensors."""
+        """Sample the step run(defer_sampling=True) launched; token_bitmask (rank 0, on the host, the
+        bitmask pinned on a GPU): structured outputs' (bitmask, rows), see SamplingTensors."""
         step, self._deferred = self._deferred, None
         if self.rank == 0 and token_bitmask is not None:
-            step[2].token_bitmask = tuple(to_device(t.numpy(), self.device) for t in token_bitmask)
+            step[2].token_bitmask = tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
         return self._sample(*step)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None = None, tensors=None, penalty_rows=None,

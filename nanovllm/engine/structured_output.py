@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from functools import lru_cache
+from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,29 +166,44 @@ class StructuredOutputs:
     states for new sequences, and each step's bitmask rows."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
-                 reasoning_markers: tuple[str, str] | None = None):
+                 reasoning_markers: tuple[str, str] | None = None, pin_memory: bool = False):
         self.tokenizer = tokenizer
+        self.pin_memory = pin_memory
+        self._host_bitmask: torch.Tensor | None = None
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(eos_token_ids)
         self.reasoning_markers = reasoning_markers
         self._compiler = None
+        self._lock = threading.Lock()
         self._batch = None      # xgrammar's BatchGrammarMatcher: fills many rows on several threads
         self._compiled: dict[tuple, object] = {}      # constraint_key -> CompiledGrammar, least recent first
+
+    def prepare_in_background(self) -> None:
+        """prepare() on a thread, if xgrammar is installed."""
+        if find_spec("xgrammar") is not None:
+            threading.Thread(target=self.prepare, name="xgrammar-prepare", daemon=True).start()
 
     @property
     def num_words(self) -> int:
         """int32 words a bitmask row holds: one bit a token."""
         return (self.vocab_size + 31) // 32
 
+    def prepare(self) -> None:
+        """Import xgrammar and read the tokenizer's vocabulary into its compiler (a second or two for a
+        150k vocabulary): on a GPU the engine does it on a thread at start-up, so that the first
+        constrained request does not wait for it; otherwise the first one that needs it."""
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+
     def _compile(self, params: StructuredOutputsParams):
         key = constraint_key(params)
         compiled = self._compiled.pop(key, None)
         if compiled is None:
-            xgr = _xgrammar()
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            self.prepare()
             compiled = self._compiler.compile_grammar(_parsed_grammar(key))
             if len(self._compiled) >= MAX_CACHED_GRAMMARS:
                 self._compiled.pop(next(iter(self._compiled)))
@@ -209,7 +226,12 @@ class StructuredOutputs:
                 if seq.grammar is not None and not seq.is_finished and seq.grammar.active]
         if not rows:
             return None
-        bitmask = torch.empty((len(rows), self.num_words), dtype=torch.int32)
+        if self._host_bitmask is None or self._host_bitmask.size(0) < len(rows):
+            # kept across steps (pinned on a GPU): the last step's copy to the device is done by now, since
+            # the host has waited for that step's tokens, which the device sampled after the copy
+            size = max(len(rows), 64 if self._host_bitmask is None else 2 * self._host_bitmask.size(0))
+            self._host_bitmask = torch.empty((size, self.num_words), dtype=torch.int32, pin_memory=self.pin_memory)
+        bitmask = self._host_bitmask[:len(rows)]
         matchers = [seqs[i].grammar.matcher for i in rows]
         if len(rows) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, 0)
