@@ -89,6 +89,11 @@ def _parsed_grammar(key: tuple):
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(value)
         if kind == "structural_tag":
+            tag = json.loads(value)
+            if isinstance(tag, dict) and "structures" in tag:      # vLLM's first form: begin/schema/end + triggers
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                         for s in tag["structures"]]
+                return xgr.Grammar.from_structural_tag(items, tag["triggers"])
             return xgr.Grammar.from_structural_tag(value)
     except Exception as error:     # xgrammar raises RuntimeError (and its own errors) with the parser's words
         lines = str(error).strip().splitlines()

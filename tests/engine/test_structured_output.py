@@ -143,6 +143,18 @@ def test_malformed_constraints_are_refused_before_anything_runs(llm):
         StructuredOutputsParams(regex="a", choice=["a"])
 
 
+def test_structural_tags_in_both_of_vllms_forms_are_checked():
+    from nanovllm.engine.structured_output import check_structured_outputs
+    legacy = {"type": "structural_tag", "triggers": ["<f"],
+              "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]}
+    current = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+    for tag in (legacy, current):
+        check_structured_outputs(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+    for bad in ('{"type": "structural_tag", "format": {"type": "nope"}}', "{"):
+        with pytest.raises(ValueError, match="structured_outputs.structural_tag is not valid"):
+            check_structured_outputs(StructuredOutputsParams(structural_tag=bad))
+
+
 def test_constrained_outputs_survive_preemption_chunked_prefill_and_cache_hits():
     """A KV cache too small for the batch (sequences are preempted and recomputed), prompts longer than
     a step's token budget (chunked), and the same prompts again (prefix-cache hits): the seeded outputs
