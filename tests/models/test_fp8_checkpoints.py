@@ -94,16 +94,29 @@ def test_block_checkpoint_and_online_quantization_of_the_original_agree(checkpoi
         assert stats["decided"] > 0.15 and stats["agreement"] >= 0.99 and stats["kl"] < 3e-2
 
 
-def test_tp2_equals_tp1_on_a_block_fp8_checkpoint(checkpoints):
+def test_tp2_equals_tp1_on_a_block_fp8_checkpoint(checkpoints, positions):
     """The row-parallel layers' 1x128 activation groups are the same on either rank split: TP=2 only sums
-    the partial products in another order, and picks the same greedy tokens."""
-    prompts = oracle.random_prompts(4, 512, (5, 40), seed=5)
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outputs = {}
+    the partial products in another order. That float32 noise (~1e-6, as unquantized TP=2 shows) can tip an
+    activation across an e4m3 rounding boundary (a step of 6%), so later positions differ by up to a few
+    hundredths of a nat (median 5e-7, p90 9e-3, max 5e-2 measured): teacher-forced (prompt log-probs over
+    prompt + continuation), the log-probs agree within 0.1 nat and the top-1 on every decided position.
+    (Free-running greedy tokens of a random model part ways at the first near-tie, which is what an
+    earlier version of this test compared.)"""
+    prompts = [prompt + continuation for prompt, continuation in zip(*positions)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    forced = {}
     for tp in (1, 2):
         with LLM(str(checkpoints["block"]), device="cpu", tensor_parallel_size=tp, **ENGINE) as llm:
-            outputs[tp] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert outputs[2] == outputs[1]
+            forced[tp] = [o["prompt_logprobs"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    num_decided = 0
+    for prompt, one, two in zip(prompts, forced[1], forced[2]):
+        for token_id, at_one, at_two in zip(prompt[1:], one[1:], two[1:]):
+            assert abs(at_one[token_id] - at_two[token_id]) < 0.1
+            (first, top1), (_, top2) = sorted(at_one.items(), key=lambda item: -item[1])[:2]
+            if top1 - top2 > MARGIN:
+                num_decided += 1
+                assert max(at_two, key=at_two.get) == first
+    assert num_decided > 0.15 * sum(len(prompt) - 1 for prompt in prompts)
 
 
 def test_dummy_weights_are_drawn_in_the_model_dtype_then_quantized(make_checkpoint, checkpoints, tmp_path):
