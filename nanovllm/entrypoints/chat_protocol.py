@@ -104,7 +104,7 @@ class ChatCompletionRequest(ChatTemplateInputs, SamplingRequest):
     add_generation_prompt: bool = True      # vLLM's
     # None: "auto" with tools, else "none" (OpenAI's defaults); see structured_requests.tool_plan
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None     # taken, not enforced (as vLLM)
+    parallel_tool_calls: bool | None = None     # false: tool_choice "required" makes exactly one call
 
     @model_validator(mode="after")
     def _supported(self):

@@ -71,9 +71,10 @@ def _arguments_schema(function) -> dict:
     return function.parameters if function.parameters is not None else NO_ARGUMENTS
 
 
-def required_tools_schema(tools: list) -> dict:
+def required_tools_schema(tools: list, parallel: bool = True) -> dict:
     """tool_choice "required": a JSON array of one or more {"name": <a tool's name>, "parameters": <its
-    arguments>}. Each tool's $defs move to the top, where their "#/$defs/..." references point."""
+    arguments>} (exactly one without `parallel`). Each tool's $defs move to the top, where their
+    "#/$defs/..." references point."""
     defs, variants = {}, []
     for tool in tools:
         parameters = copy.deepcopy(_arguments_schema(tool.function))
@@ -85,6 +86,8 @@ def required_tools_schema(tools: list) -> dict:
                                         "parameters": parameters},
                          "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if not parallel:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
@@ -115,14 +118,19 @@ def tool_plan(body, enable_auto_tool_choice: bool, tool_call_parser: str | None)
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                            param="tool_choice")
         return ToolPlan("auto")
+    # compact JSON (", " and ": " between items, no other whitespace): a weak model at a high temperature
+    # would otherwise spend its tokens on newlines between a call's items
     if choice == "required":
-        return ToolPlan("required", structured_outputs=_params({"json": required_tools_schema(tools)}, "tools"))
+        schema = required_tools_schema(tools, parallel=body.parallel_tool_calls is not False)
+        return ToolPlan("required", structured_outputs=_params({"json": schema, "disable_any_whitespace": True},
+                                                               "tools"))
     name = choice.function.name
     chosen = next((tool for tool in tools if tool.function.name == name), None)
     if chosen is None:
         raise APIError(f"tool_choice names the function {name!r}, which is not in `tools`",
                        param="tool_choice.function.name")
-    return ToolPlan("named", name, _params({"json": _arguments_schema(chosen.function)}, "tools"))
+    schema = _arguments_schema(chosen.function)
+    return ToolPlan("named", name, _params({"json": schema, "disable_any_whitespace": True}, "tools"))
 
 
 def chat_structured_outputs(body, plan: ToolPlan) -> StructuredOutputsParams | None:

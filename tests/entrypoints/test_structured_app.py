@@ -69,6 +69,10 @@ def test_each_source_becomes_structured_outputs(client, fake_engine, path):
     assert last_constraint(fake_engine).regex == "[0-9]+" and last_constraint(fake_engine).disable_any_whitespace
     post(structured_outputs={"grammar": 'root ::= "a"'})
     assert last_constraint(fake_engine).grammar == 'root ::= "a"'
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    post(response_format=tag)               # vLLM's: the whole format, as the engine reads it
+    assert json.loads(last_constraint(fake_engine).structural_tag) == tag
     post(guided_json=SCHEMA)                # vLLM's older names
     assert last_constraint(fake_engine).json == SCHEMA
     post(guided_choice=["x"])
@@ -105,6 +109,11 @@ def test_tool_choice_required_and_named_become_json_schemas(client, fake_engine)
     names = [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == SCHEMA
+    assert last_constraint(fake_engine).disable_any_whitespace      # compact calls
+    assert "maxItems" not in schema
+    client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER, TIME], "tool_choice": "required",
+                                              "parallel_tool_calls": False, "max_tokens": 2})
+    assert last_constraint(fake_engine).json["maxItems"] == 1       # one call only
     client.post("/v1/chat/completions", json={"messages": CHAT, "tools": [WEATHER, TIME], "max_tokens": 2,
                                               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert last_constraint(fake_engine).json == SCHEMA
