@@ -198,7 +198,7 @@ class Server:
     ENGINE_ARGS = SERVER_ENGINE_ARGS
 
     def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None,
-                 slow: bool = False):
+                 slow: bool = False, threads: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -210,6 +210,8 @@ class Server:
         # as users run it: the tests' TRITON_INTERPRET (for kernel tests on CPU) would only slow it down
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         env["PYTHONUNBUFFERED"] = "1"
+        if threads is not None:     # torch's threads in the server's processes (its engine's included)
+            env["OMP_NUM_THREADS"] = str(threads)
         if slow:    # attention through Triton's interpreter: steps of tens of milliseconds, so a request
             env["TRITON_INTERPRET"] = "1"   # is still running when a test acts on it (the plain one is done
             args += ["--attention-backend", "triton"]   # with 480 tokens in ~80 ms)
@@ -308,6 +310,21 @@ def start_server(tiny_model, tmp_path):
 
     def start(engine_args: list[str] = SERVER_ENGINE_ARGS, slow: bool = False) -> Server:
         servers.append(Server(tiny_model, engine_args, tmp_path / f"server{len(servers)}.log", slow=slow))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def start_module_server(tmp_path_factory):
+    """start(model, engine_args, threads=None) -> a server of the module's own (any checkpoint, any flags),
+    stopped after the module's last test."""
+    servers = []
+
+    def start(model: str, engine_args: list[str], threads: int | None = None) -> Server:
+        log_path = tmp_path_factory.mktemp("module_server") / "server.log"
+        servers.append(Server(model, engine_args, log_path, threads=threads))
         return servers[-1]
     yield start
     for server in servers:
