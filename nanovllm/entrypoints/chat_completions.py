@@ -69,8 +69,9 @@ class _ChatCompletion:
         if self.options.reasoning_parser:
             fields.update(reasoning=parsed.reasoning, reasoning_content=parsed.reasoning)
         if self.body.tools:
-            fields["tool_calls"] = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-                                    for call in parsed.tool_calls]
+            fields["tool_calls"] = [
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in parsed.tool_calls]
         return ChatResponseMessage(**fields)
 
     def response(self, final: dict) -> ChatCompletionResponse:

@@ -208,7 +208,8 @@ def test_auto_parses_a_hermes_block_and_the_next_turn_goes_through_the_template(
 
     turn = messages + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": "get_time", "arguments": call.function.arguments}}]},
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_time", "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "10:42"}]
     tokens = httpx.post(f"{tools_server.url}/tokenize", json={"messages": turn, "tools": TOOLS}, timeout=30).json()
     rendered = httpx.post(f"{tools_server.url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json()

@@ -27,7 +27,8 @@ CASES = [   # (make parser, text, content, [(name, arguments as an object)])
     (HermesToolParser, '<tool_call>{"name": "f", "arg', '<tool_call>{"name": "f", "arg', []),   # cut off
     (HermesToolParser, "a <tool_ b", "a <tool_ b", []),
     (HermesToolParser, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("f", {"x": 1})]),
-    (Llama3JsonToolParser, '{"name": "get_time", "parameters": {"zone": "CET"}}', None, [("get_time", {"zone": "CET"})]),
+    (Llama3JsonToolParser, '{"name": "get_time", "parameters": {"zone": "CET"}}', None,
+     [("get_time", {"zone": "CET"})]),
     (Llama3JsonToolParser, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"k": [1]}}',
      None, [("a", {}), ("b", {"k": [1]})]),
     (Llama3JsonToolParser, '  {"name": "a", "parameters": {}} trailing words', '  {"name": "a", "parameters": {}} '
