@@ -143,6 +143,22 @@ def test_structured_outputs_stream_and_a_bad_one_is_refused_in_the_callers_proce
         asyncio.run(refused())
 
 
+def test_the_figures_settle_to_idle_when_a_stop_string_ends_the_last_completion(engine):
+    """A stop string found in the frontend ends the last running completion (FinishCompletion); the step
+    in flight then collects nothing new. The engine's figures must still come back idle: no request
+    running, no KV block in use (the soak saw /metrics stuck at 4 running, 15 blocks)."""
+    import time
+    params = SamplingParams(temperature=0.0, max_tokens=200, stop=["a", "e", "o", "i", "u", " "], ignore_eos=True)
+    for i in range(4):      # greedy on these prompts meets a stop string (a fifth never does)
+        texts, _, outputs = asyncio.run(collect(engine, [5, 6, 7, i], params, f"stop-{i}"))
+        assert outputs[-1].finished and outputs[-1].output["finish_reason"] == "stop"
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and (engine.stats().get("num_used_blocks") or engine.stats().get("num_running")):
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+
+
 def test_refusals_raise_before_anything_runs_and_the_engine_goes_on(engine):
     async def scenario():
         with pytest.raises(ValueError, match="max_model_len"):

@@ -46,14 +46,17 @@ class EngineCore:
                 idle = self.engine.is_finished()
             self.engine.step()
             updates = self._updates()
+            # the figures walk the running batch: a few times a second is enough for /metrics, and always
+            # once the engine runs out of work (its blocks all free again), even from a step that collected
+            # nothing new (a stop string ended the last completion while its next step was in flight)
+            now, out_of_work = time.monotonic(), self.engine.is_finished()
+            fresh = now - self._stats_sent >= STATS_INTERVAL or out_of_work
+            if fresh and (updates or out_of_work):
+                self._stats_sent = now
             if updates:
-                # the figures walk the running batch: a few times a second is enough for /metrics, and
-                # always once the engine runs out of work (its blocks all free again)
-                now = time.monotonic()
-                fresh = now - self._stats_sent >= STATS_INTERVAL or self.engine.is_finished()
-                if fresh:
-                    self._stats_sent = now
                 self.conn.send(StepOutputs(updates, self.stats() if fresh else None))
+            elif out_of_work:
+                self.conn.send(Stats(self.stats()))
 
     def _handle(self, message) -> bool:
         if isinstance(message, AddRequest):
