@@ -25,6 +25,9 @@ CPU_KV_CACHE_BYTES = 512 << 20
 # reasoning parser -> (start, end) markers of a model's thinking: a structured output constrains the answer
 # after the end marker, not the thinking (the server also splits the text there: entrypoints/reasoning_parsers)
 REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}   # the CPU's default KV budget: modest, fixed, independent of free RAM
+SPECULATIVE_METHODS = ("ngram",)                    # speculative_config["method"]: what runs today
+SPECULATIVE_METHODS_TO_COME = ("draft_model", "eagle3")     # vLLM's names, refused until they are implemented
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -71,6 +74,9 @@ class Config:
     quantization: str | None = None     # a registered quantization method's name (layers/quantization), e.g.
                                         # FP8 weights quantized online; a quantized checkpoint needs none
     reasoning_parser: str | None = None     # "qwen3" or "deepseek_r1": structured outputs start after the thinking
+    # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+    # "prompt_lookup_min": 2}; checked and completed (the lookup bounds' defaults filled in) here
+    speculative_config: dict | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_method: QuantizationMethod = field(init=False, default=None)   # layers/quantization; set when checked
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
@@ -102,6 +108,7 @@ class Config:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_MARKERS:
             raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_MARKERS)} or None, "
                              f"got {self.reasoning_parser!r}")
+        self._check_speculative_config()
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
@@ -122,6 +129,44 @@ class Config:
         self._check_tensor_parallel()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def _check_speculative_config(self) -> None:
+        """vLLM's names and defaults: n-gram lookup bounds default to each other, or both to 5."""
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise TypeError(f"speculative_config must be a dict (or None), got {spec!r}")
+        unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; it takes {list(SPECULATIVE_KEYS)}")
+        method = spec.get("method")
+        if method in SPECULATIVE_METHODS_TO_COME:
+            raise ValueError(f"speculative_config: method {method!r} is not implemented yet; "
+                             f"use one of {list(SPECULATIVE_METHODS)}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if "num_speculative_tokens" not in spec:
+            raise ValueError("speculative_config: num_speculative_tokens is required (the drafts per step, >= 1)")
+        lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+        if lookup_max is None and lookup_min is None:
+            lookup_max = lookup_min = 5
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        checked = {"method": method, "num_speculative_tokens": spec["num_speculative_tokens"],
+                   "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = checked[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"speculative_config: {name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"speculative_config: {name} must be >= 1, got {value}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) must be <= "
+                             f"prompt_lookup_max ({lookup_max})")
+        self.speculative_config = checked
 
     def _resolve_device(self) -> None:
         import torch

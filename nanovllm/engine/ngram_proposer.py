@@ -1,0 +1,66 @@
+"""Speculative decoding's n-gram proposer (vLLM's "ngram" method, also called prompt lookup): a sequence that
+is repeating itself (code edits, quoting its prompt, lists) is likely to go on as it went on before.
+
+For a sequence's tokens T (prompt + output, all known), find the longest earlier occurrence of its last n
+tokens, n in [prompt_lookup_min, prompt_lookup_max] (among equally long matches, the earliest), and
+propose the up to k tokens that followed it there (fewer when the match lies near the end; none when
+nothing matches: the sequence then decodes one token, as without speculation).
+
+Vectorized per sequence with numpy: one [max_n, L] comparison of T against its own suffix, no Python loop
+over tokens. Each sequence's tokens are kept as a numpy array that grows with it (only new tokens are
+copied each step)."""
+import weakref
+
+import numpy as np
+
+from nanovllm.engine.sequence import Sequence
+
+
+def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """The up to k tokens that followed the longest (then earliest) earlier match of tokens' last n
+    tokens, min_n <= n <= max_n; empty if there is none. A match may overlap the suffix itself (in
+    [7, 7, 7] the suffix [7, 7] matches at 0 and proposes [7])."""
+    length = len(tokens)
+    if length < min_n + 1 or k < 1:
+        return tokens[:0]
+    max_n = min(max_n, length - 1)
+    ends = np.arange(length - 1)                 # a match ends at e < length - 1: a token follows it
+    # equal[i, e]: tokens[e - i] == tokens[length - 1 - i] (and e - i >= 0)
+    back = ends[None, :] - np.arange(max_n)[:, None]
+    equal = (back >= 0) & (tokens[np.maximum(back, 0)] == tokens[length - 1 - np.arange(max_n)][:, None])
+    matched = np.cumprod(equal, axis=0).sum(axis=0)     # the match's length at each end, up to max_n
+    best = int(matched.max())
+    if best < min_n:
+        return tokens[:0]
+    start = int(np.argmax(matched == best)) + 1         # the earliest of the longest matches
+    return tokens[start:start + k]
+
+
+class NgramProposer:
+    """Drafts for a decode batch, each sequence's from its own tokens."""
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.k = num_speculative_tokens
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        # each live sequence's tokens as numpy, grown as it grows; gone with the sequence
+        self._tokens: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
+
+    def _array(self, seq: Sequence) -> np.ndarray:
+        """seq's tokens as an int64 array, appending only what is new since its last call."""
+        assert not seq.num_pending_tokens, "drafts are proposed from known tokens only"
+        held = self._tokens.get(seq)
+        known = 0 if held is None else len(held)
+        if held is None or seq.num_tokens < known:
+            held = np.array(seq.token_ids, dtype=np.int64)
+        elif seq.num_tokens > known:
+            held = np.concatenate([held, np.array(seq.token_ids[known:], dtype=np.int64)])
+        self._tokens[seq] = held
+        return held
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
+        """Per sequence, at most min(k, max_drafts[i]) draft tokens (none where max_drafts[i] <= 0)."""
+        drafts = []
+        for seq, most in zip(seqs, max_drafts):
+            k = min(self.k, most)
+            drafts.append(ngram_draft(self._array(seq), k, self.min_n, self.max_n).tolist() if k > 0 else [])
+        return drafts
