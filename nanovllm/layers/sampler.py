@@ -119,13 +119,7 @@ class Sampler(nn.Module):
         if num_top is not None and not fused:
             values, token_ids, _, _, log_z, _ = self._largest(raw, tensors.temperatures, max(num_top, 1))
             output.top_token_ids, output.top_logprobs = token_ids[:, :num_top], values[:, :num_top] - log_z.unsqueeze(1)
-        if tensors.penalties is not None:
-            p = tensors.penalties
-            penalize = penalty_kernels.apply_penalties if on_kernels else apply_penalties
-            penalize(logits, p.rows, p.state_rows, p.prompt_mask, p.output_counts, p.repetition, p.frequency,
-                     p.presence)
-        if tensors.banned is not None:
-            ban_tokens(logits, *tensors.banned)
+        self._edit(logits, tensors, on_kernels)
         if on_kernels:
             output.token_ids, _, top_ids, top_logprobs, fused_log_z = self._filter_and_draw(
                 logits, tensors, num_top if fused else -1)
@@ -137,6 +131,40 @@ class Sampler(nn.Module):
         if num_top is not None:
             output.logprobs = raw.gather(1, output.token_ids.unsqueeze(1)).squeeze(1).float() - log_z
         return output
+
+    @staticmethod
+    def _edit(logits: torch.Tensor, tensors: SamplingTensors, on_kernels: bool) -> None:
+        """Penalties, then banned tokens, in place."""
+        if tensors.penalties is not None:
+            p = tensors.penalties
+            penalize = penalty_kernels.apply_penalties if on_kernels else apply_penalties
+            penalize(logits, p.rows, p.state_rows, p.prompt_mask, p.output_counts, p.repetition, p.frequency,
+                     p.presence)
+        if tensors.banned is not None:
+            ban_tokens(logits, *tensors.banned)
+
+    def probabilities(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+        """[rows, vocab] float32: the law forward() draws each row's token from, written out (speculative
+        decoding's rejection sampler weighs drafts with it): the mask, penalties and banned tokens, then
+        softmax(x / T) over the tokens min_p, top_k and top_p keep (the same thresholds); a greedy row is
+        one-hot at its argmax. The logits are left as they were."""
+        if tensors.logits_rows is not None:
+            logits = logits[tensors.logits_rows]
+        logits = logits.clone()
+        on_kernels = self._on_kernels(logits)
+        if tensors.token_bitmask is not None:
+            (apply_token_bitmask if on_kernels else apply_token_bitmask_reference)(logits, *tensors.token_bitmask)
+        self._edit(logits, tensors, on_kernels)
+        x = logits.float() if tensors.top_k is None else keep_at_least(logits, self._thresholds(logits, tensors))
+        greedy = tensors.temperatures == 0
+        probs = torch.softmax(x / torch.where(greedy, 1.0, tensors.temperatures).unsqueeze(1), dim=-1)
+        one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.where(greedy.unsqueeze(1), one_hot, probs)
+
+    def draw(self, logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """A keyed draw from softmax(logits / T) over the whole row (argmax where T is 0): the kernels'
+        on a GPU, else gumbel_max."""
+        return self._draw(logits, temperatures, None, keys)
 
     @staticmethod
     def _filter_and_draw(logits: torch.Tensor, tensors: SamplingTensors, num_top: int):
