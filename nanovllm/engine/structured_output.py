@@ -121,19 +121,20 @@ class GrammarState:
 
     @property
     def active(self) -> bool:
-        return not self.broken and (self.reasoning is None or self.reasoning.ended)
+        """Does it constrain the next token? Not while the model thinks, nor once the grammar has taken its
+        stop token (ignore_eos: what follows is free)."""
+        return (not self.broken and (self.reasoning is None or self.reasoning.ended)
+                and not self.matcher.is_terminated())
 
     def accept(self, token_id: int) -> None:
         """The sequence's next token. The mask lets no other through, except where the request's own
         settings leave the grammar no token (min_tokens banning the end-of-sequence token the grammar
         needs): then the sequence goes on unconstrained, and a warning says so."""
-        if self.broken:
-            return
+        if self.broken or self.matcher.is_terminated():
+            return      # unconstrained from here on (ignore_eos goes on past the stop token)
         if not self.active:
             self.reasoning.feed(token_id)
             return
-        if self.matcher.is_terminated():
-            return      # the stop token is in: what follows (a step in flight) is never used
         if not self.matcher.accept_token(token_id):
             self.broken = True
             logger.warning("token %d breaks its structured output's grammar (min_tokens longer than the "
