@@ -206,9 +206,11 @@ class AsyncLLM:
         """The prompt's token ids; raises ValueError/TypeError where LLM.generate would refuse it."""
         return checked_request(self.tokenizer, prompt, sampling_params, self.limits)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """One conversation's prompt token ids, through the tokenizer's chat template."""
-        return render_chat(self.tokenizer, self.model, messages, add_generation_prompt)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """One conversation's prompt token ids, through the tokenizer's chat template (tools and extra
+        template arguments, such as enable_thinking, go to it)."""
+        return render_chat(self.tokenizer, self.model, messages, add_generation_prompt, tools, chat_template_kwargs)
 
     def get_default_sampling_params(self) -> SamplingParams:
         return default_sampling_params(self.model)

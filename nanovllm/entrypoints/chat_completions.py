@@ -8,7 +8,6 @@ from contextlib import aclosing
 
 from fastapi.responses import JSONResponse, Response
 
-from nanovllm.engine.chat_template import render_chat
 from nanovllm.entrypoints.chat_output import ChatOutputParser, ParsedDelta, ParsedMessage
 from nanovllm.entrypoints.chat_protocol import ChatChoice, ChatCompletionChunk, ChatCompletionRequest, \
     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, ChatTemplateInputs, DeltaFunctionCall, \
@@ -25,12 +24,11 @@ PROMPT_TAIL_TOKENS = 16     # enough of the prompt's end to see whether the temp
 
 def render_prompt(engine, conversation: list[dict], inputs: ChatTemplateInputs,
                   add_generation_prompt: bool) -> list[int]:
-    """The prompt's token ids; tools and chat_template_kwargs go to the template (render_chat, which
-    the engine's chat_prompt is, with them)."""
+    """The prompt's token ids; tools and chat_template_kwargs go to the template."""
     tools, kwargs = inputs.template_tools(), inputs.chat_template_kwargs
     if tools is None and not kwargs:
         return engine.chat_prompt(conversation, add_generation_prompt)
-    return render_chat(engine.tokenizer, str(engine.model), conversation, add_generation_prompt, tools, kwargs)
+    return engine.chat_prompt(conversation, add_generation_prompt, tools, kwargs)
 
 
 class _ChatCompletion:

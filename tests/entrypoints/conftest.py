@@ -68,11 +68,12 @@ class FakeEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.defaults
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
         if not messages:
             raise ValueError("messages is empty")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text)
+        from nanovllm.engine.chat_template import render_chat
+        return render_chat(self.tokenizer, "fake", messages, add_generation_prompt, tools, chat_template_kwargs)
 
     def check_request(self, prompt, params: SamplingParams) -> list[int]:
         self.checks.append(prompt)
