@@ -13,7 +13,7 @@ from sampling_reference import hf_probabilities, penalize
 pytestmark = pytest.mark.timeout(120)
 
 V = 12                  # a small vocabulary: most tokens' counts are large enough for chi-square
-N = 8000                # sequences (draws) per law check
+N = 5000                # sequences (draws) per law check
 NONE, TOP_K, TOP_P, ALL = dict(), dict(top_k=4), dict(top_p=0.7), dict(top_k=6, top_p=0.9, min_p=0.05)
 
 
