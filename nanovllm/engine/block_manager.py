@@ -137,6 +137,26 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
 
+    def reserve_lookahead(self, seq: Sequence, num_slots: int) -> int:
+        """Slots for up to num_slots tokens past seq's last one (speculative decoding's drafts, computed in
+        the same step), from free blocks as far as they go; returns how many it has. Their KV is written
+        but never hashed: hash_blocks goes by num_cached_tokens, which counts only accepted tokens."""
+        have = len(seq.block_table) * self.block_size - seq.num_tokens
+        wanted = -(-(num_slots - have) // self.block_size)
+        for _ in range(min(max(wanted, 0), len(self.free_block_ids))):
+            seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
+        return min(num_slots, len(seq.block_table) * self.block_size - seq.num_tokens)
+
+    def release_lookahead(self, seq: Sequence) -> None:
+        """Free the blocks past seq's tokens that reserve_lookahead gave it (they hold rejected drafts'
+        KV only, and were never hashed)."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash == -1
+            block.ref_count = 0
+            self.used_block_ids.remove(block.block_id)
+            self.free_block_ids.append(block.block_id)
+
     def can_fork(self, seq: Sequence, num_children: int) -> bool:
         """Whether num_children completions split off seq can each get a copy of its partial last block."""
         return self.num_forkable(seq, num_children) == num_children

@@ -14,6 +14,7 @@ from nanovllm.engine.step_outputs import completion_updates, record_logprobs, re
 from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.spec_decode import SpeculativeDecoding
 from nanovllm.engine.structured_output import StructuredOutputs
 from nanovllm.sampling_params import SamplingParams
 
@@ -46,6 +47,7 @@ class LLMEngine:
                 self.workers.stop(graceful=False)
             raise
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.spec_decode = SpeculativeDecoding(config, self.scheduler) if config.speculative_config else None
         self.limits = RequestLimits(config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
                                     self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
@@ -90,6 +92,9 @@ class LLMEngine:
         return self._new_sequence(token_ids, sampling_params)
 
     def _new_sequence(self, token_ids: list[int], sampling_params: SamplingParams) -> Sequence:
+        if self.spec_decode is not None and sampling_params.structured_outputs is not None:
+            raise ValueError("structured_outputs cannot be combined with speculative decoding yet: this engine "
+                             "was built with a speculative_config")
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         if sampling_params.structured_outputs is not None:     # its grammar compiled (once per distinct text)
             seq.grammar = self.structured_outputs.new_state(sampling_params.structured_outputs, token_ids)
@@ -142,6 +147,8 @@ class LLMEngine:
             raise
 
     def _step_and_collect(self) -> tuple[list[Sequence], int]:
+        if self.spec_decode is not None:
+            return self._step_in_lockstep()
         seqs, is_prefill = self.scheduler.schedule()
         launched, num_tokens, constrained = None, 0, False
         if seqs:
@@ -161,6 +168,32 @@ class LLMEngine:
         if constrained:   # the grammars have the previous step's tokens: mask and sample this one
             self._in_flight = (launched[0], self._sample_deferred(seqs), launched[2])
         return finished, num_tokens
+
+    def _step_in_lockstep(self) -> tuple[list[Sequence], int]:
+        """Speculative decoding: each step is collected before the next is scheduled (a step's drafts come
+        from every token so far, and how many are accepted decides where the next one writes). A decode
+        step whose sequences carry drafts verifies them (spec_decode.py); any other step runs as usual."""
+        seqs, is_prefill = self.scheduler.schedule()
+        self.updates = []
+        if not seqs:
+            raise RuntimeError("the scheduler could schedule nothing although requests are pending")
+        drafts = None if is_prefill else self.spec_decode.propose(seqs)
+        if drafts is None or not any(drafts):
+            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+            prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
+            sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
+                                 prompt_rows)
+            self._ended_seq_ids = []
+            launched = (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows])
+            return self._collect(launched), num_tokens
+        sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids)
+        self._ended_seq_ids = []
+        token_ids, num_accepted, logprobs = sampled.tolist(), accepted.tolist(), sampled.logprobs()
+        self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
+        finished = self.spec_decode.accept(seqs, drafts, token_ids, num_accepted, logprobs)
+        self._ended_seq_ids.extend(seq.seq_id for seq in finished)
+        self.updates = completion_updates(seqs)
+        return finished, -len(seqs)
 
     def _sample_deferred(self, seqs: list[Sequence]):
         """Sample the launched step with its structured outputs' masks (rank 0 alone needs them)."""
@@ -206,7 +239,8 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        spec = self.spec_decode.stats() if self.spec_decode is not None else {}
+        return {**self.scheduler.stats(), **spec}
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams],

@@ -9,11 +9,12 @@ from nanovllm.engine import kv_cache as kv, step_inputs, warmup
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sampled_tokens import SampledTokens
-from nanovllm.engine.sampling_inputs import build_sampling_tensors
+from nanovllm.engine.sampling_inputs import build_sampling_tensors, build_verify_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.layers.quantization import building_with_quantization
+from nanovllm.layers.rejection_sampler import DraftRows, RejectionSampler
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.utils.context import reset_context
@@ -69,6 +70,7 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.penalty_state = PenaltyState(hf_config.vocab_size, self.device) if self.rank == 0 else None
         # the last step's sampled tokens (on every rank) and each sequence's row in them: a decode input
         # whose token is still PENDING on the host is taken from here, on the device
@@ -196,6 +198,34 @@ class ModelRunner:
         if self.rank == 0 and token_bitmask is not None:
             step[2].token_bitmask = tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
         return self._sample(*step)
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], finished_seq_ids: list[int] = ()
+               ) -> tuple[SampledTokens, torch.Tensor] | None:
+        """Speculative decoding's target step (eager): each seq computes its last token and its drafts
+        (step_inputs.prepare_verify), every position's logits are sampled as plain decoding samples them
+        (sampling_inputs.build_verify_tensors), and the rejection sampler counts the drafts accepted
+        (layers/rejection_sampler.py). Rank 0 gets (SampledTokens of every row, num_accepted [seqs] on the
+        device): seq i gains the tokens of its rows 0..num_accepted[i]. Nothing is left pending: the
+        engine collects this step before it schedules the next."""
+        input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device)
+        if self.rank == 0:
+            self.penalty_state.release(finished_seq_ids)
+            tensors, state_rows = build_verify_tensors(
+                seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
+                self.device)
+            rows = DraftRows.from_drafts(drafts, self.device)
+        logits = self.model.lm_head.logits_of(self.model(input_ids, positions))
+        reset_context()
+        self.sampled, self.sampled_rows = self.sampled[:0], {}
+        if self.rank != 0:
+            return None
+        output, accepted = self.rejection_sampler(logits, tensors, rows)
+        if state_rows is not None:      # count the emitted tokens of the penalized rows
+            p = tensors.penalties.rows
+            emitted = rows.offsets[p] <= accepted[rows.seq_of_row[p]]
+            self.penalty_state.count(state_rows[emitted], output.token_ids[p][emitted])
+        return SampledTokens(output), accepted
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None = None, tensors=None, penalty_rows=None,
                 prompt_logprobs=None) -> SampledTokens | None:

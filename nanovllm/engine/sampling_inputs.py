@@ -33,12 +33,16 @@ def seeded_key(seed: int, index: int, position: int) -> int:
 
 def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, vocab_size: int,
                            eos_token_ids: frozenset[int], penalty_state: PenaltyState,
-                           device: torch.device) -> tuple[SamplingTensors, torch.Tensor | None]:
+                           device: torch.device, offsets: list[int] | None = None
+                           ) -> tuple[SamplingTensors, torch.Tensor | None]:
     """The step's SamplingTensors, and the state rows of its penalized rows (to count their tokens).
+    offsets (speculative decoding's verification, see build_verify_tensors): row i samples the token
+    offsets[i] places after seqs[i]'s next one (its seeded key and min_tokens go by that position).
 
     Runs every step for up to hundreds of rows, so each feature is looked up once per distinct
     SamplingParams (a batch usually shares one) and only the features present walk the rows."""
     n = len(seqs)
+    ahead = offsets or [0] * n
     params = [seq.sampling_params for seq in seqs]
     distinct = list({id(p): p for p in params}.values())
 
@@ -54,7 +58,7 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     if any(p.seed is not None for p in distinct):
         for i, seq in enumerate(seqs):
             if params[i].seed is not None:
-                keys[i] = seeded_key(params[i].seed, seq.index, seq.num_tokens)
+                keys[i] = seeded_key(params[i].seed, seq.index, seq.num_tokens + ahead[i])
     filtered = any(p.has_filters and not p.greedy for p in distinct)
     ints = np.zeros((1, n), dtype=np.int32)
     if filtered:
@@ -85,7 +89,8 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
         banned_rows, banned_ids = [], []
         for i, seq in enumerate(seqs):
             p = params[i]
-            if seq.num_completion_tokens < p.min_tokens:     # this step samples completion token num_completion_tokens
+            # this row samples completion token num_completion_tokens + ahead[i]
+            if seq.num_completion_tokens + ahead[i] < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
                 banned_rows += [i] * len(stops)
                 banned_ids += sorted(stops)
@@ -111,4 +116,34 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
                 rows=to_device(np.array(penalized, dtype=np.int64), device), state_rows=state_rows,
                 prompt_mask=penalty_state.prompt_mask, output_counts=penalty_state.output_counts,
                 repetition=weights[0, :num], frequency=weights[1, :num], presence=weights[2, :num])
+    return tensors, state_rows
+
+
+def build_verify_tensors(seqs: list[Sequence], drafts: list[list[int]], vocab_size: int,
+                         eos_token_ids: frozenset[int], penalty_state: PenaltyState,
+                         device: torch.device) -> tuple[SamplingTensors, torch.Tensor | None]:
+    """Speculative decoding's verification step: a row per token each sequence may gain (len(drafts[i]) + 1
+    rows for seqs[i]), row j sampling as if drafts[i][:j] were already its output: the key of its token's
+    position, min_tokens counted up to it, and penalties that count those drafts too (each penalized row
+    reads a private copy of its sequence's state row, with its drafts before it added). Returns the
+    tensors and the penalized rows' state rows in PenaltyState (to count the emitted tokens, as
+    build_sampling_tensors does)."""
+    row_seqs = [seq for seq, draft in zip(seqs, drafts) for _ in range(len(draft) + 1)]
+    offsets = [j for draft in drafts for j in range(len(draft) + 1)]
+    tensors, state_rows = build_sampling_tensors(row_seqs, None, vocab_size, eos_token_ids, penalty_state, device,
+                                                 offsets)
+    if tensors.penalties is None:
+        return tensors, state_rows
+    penalized = [i for i, seq in enumerate(row_seqs) if seq.sampling_params.has_penalties]
+    row_drafts = [draft for draft in drafts for _ in range(len(draft) + 1)]
+    prior = [(k, token) for k, i in enumerate(penalized) for token in row_drafts[i][:offsets[i]]]
+    p = tensors.penalties
+    counts = p.output_counts[p.state_rows]
+    if prior:
+        at = to_device(np.array(prior, dtype=np.int64).T.copy(), device)
+        counts.index_put_((at[0], at[1]), torch.ones(len(prior), dtype=counts.dtype, device=device), accumulate=True)
+    own = torch.arange(len(penalized), dtype=torch.int64, device=device)
+    tensors.penalties = Penalties(rows=p.rows, state_rows=own, prompt_mask=p.prompt_mask[p.state_rows],
+                                  output_counts=counts, repetition=p.repetition, frequency=p.frequency,
+                                  presence=p.presence)
     return tensors, state_rows

@@ -202,9 +202,7 @@ class Scheduler:
             if seq.grammar is not None:
                 seq.grammar.accept(token_id)
             self.block_manager.hash_blocks(seq)
-            known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens   # completion tokens, this one too
-            if known > seq.sampling_params.min_tokens and (
-                    token_id in seq.stop_token_ids or (not seq.ignore_eos and token_id in self.eos_token_ids)):
+            if self.stops_on(seq, token_id):
                 seq.finish_reason = "stop"
                 seq.stop_reason = token_id if token_id in seq.stop_token_ids else None
             elif seq in self.finishing and not seq.num_pending_tokens:
@@ -214,6 +212,13 @@ class Scheduler:
             self._finish(seq)
             finished.append(seq)
         return finished
+
+    def stops_on(self, seq: Sequence, token_id: int) -> bool:
+        """Whether seq, whose latest known token is token_id, ends on it: eos (unless ignored) or a stop
+        token, once min_tokens completion tokens came before it."""
+        known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens   # completion tokens, this one too
+        return known > seq.sampling_params.min_tokens and (
+            token_id in seq.stop_token_ids or (not seq.ignore_eos and token_id in self.eos_token_ids))
 
     def finish(self, seq: Sequence, finish_reason: str) -> None:
         """End seq now, between steps (a stop string found in its text): like eos found a step late, a

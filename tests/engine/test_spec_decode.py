@@ -1,0 +1,300 @@
+"""Speculative decoding with n-gram drafts (issue #40), as a specification: the engine with a
+speculative_config gives what the engine without one gives, token for token: greedy (on CPU float32), and
+seeded sampling too (the verification draws each position with plain decoding's keys and law, see
+layers/rejection_sampler.py), through preemption, chunked prefill, prefix-cache hits, n > 1, stop tokens and
+max_tokens that end a completion inside an accepted run, penalties, min_tokens and log-probs; drafts are
+proposed and accepted where a sequence repeats itself, and rejected elsewhere; the KV cache stays
+consistent step by step, and a block computed under speculation serves a later prompt from the prefix
+cache; at a drafted position the tokens follow plain decoding's exact law. Structured outputs are refused
+(for now). The proposer and the configuration: test_spec_decode_ngram.py."""
+import numpy as np
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.ngram_proposer import ngram_draft
+from block_invariants import check_invariants
+from oracle import random_prompts
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+
+BLOCK = 16
+VOCAB = 512
+REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
+RANDOM = random_prompts(3, VOCAB, (8, 40), seed=4001)
+PROMPTS = REPEATING + RANDOM
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def ngram(k: int, lookup_min: int = 1, lookup_max: int = 3) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min}
+
+
+def engine(model, spec: dict | None = None, **kwargs) -> LLM:
+    settings = dict(device="cpu", kvcache_block_size=BLOCK, max_model_len=256, num_kvcache_blocks=96)
+    return LLM(str(model), speculative_config=spec, **{**settings, **kwargs})
+
+
+def tokens(outputs: list[dict]) -> list[list[list[int]]]:
+    return [[c["token_ids"] for c in out["outputs"]] for out in outputs]
+
+
+def assert_idle(llm: LLM) -> None:
+    assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    with engine(tiny_model) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module", params=[1, 3, 5], ids=lambda k: f"k={k}")
+def spec(tiny_model, request):
+    with engine(tiny_model, ngram(request.param)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def spec3(tiny_model):
+    with engine(tiny_model, ngram(3)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(plain):
+    return plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def drafted(llm: LLM, before: dict) -> tuple[int, int]:
+    stats = llm.stats
+    return (stats["spec_decode_draft_tokens"] - before["spec_decode_draft_tokens"],
+            stats["spec_decode_accepted_tokens"] - before["spec_decode_accepted_tokens"])
+
+
+# ---- greedy: token for token -----------------------------------------------------------------------------
+def test_greedy_is_token_identical_to_plain_decoding(spec, greedy_reference):
+    """Repeating prompts get drafts accepted, random ones get drafts rejected; the tokens are the same."""
+    before = spec.stats
+    outputs = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(outputs) == tokens(greedy_reference)
+    num_draft, num_accepted = drafted(spec, before)
+    assert 0 < num_accepted < num_draft
+    assert spec.stats["spec_decode_num_drafts"] > before["spec_decode_num_drafts"]
+    assert_idle(spec)
+
+
+def test_prefix_cache_hits_on_blocks_computed_under_speculation(spec, greedy_reference, plain):
+    """The same prompts again hit their cached blocks; a prompt that extends a completion hits the blocks
+    its decode steps filled, which hold the accepted tokens' KV only (else its continuation would differ)."""
+    hits = spec.stats["num_prefix_cache_hit_tokens"]
+    assert tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(greedy_reference)
+    assert spec.stats["num_prefix_cache_hit_tokens"] > hits
+    extended = [p + out["token_ids"][:34] for p, out in zip(PROMPTS, greedy_reference)]
+    hits = spec.stats["num_prefix_cache_hit_tokens"]
+    expected = plain.generate(extended, GREEDY, use_tqdm=False)
+    assert tokens(spec.generate(extended, GREEDY, use_tqdm=False)) == tokens(expected)
+    # each extended prompt finds at least its prompt's full blocks and one block of decoded tokens
+    assert spec.stats["num_prefix_cache_hit_tokens"] - hits >= sum((len(p) // BLOCK + 1) * BLOCK for p in PROMPTS)
+    assert_idle(spec)
+
+
+def test_preemption_and_chunked_prefill_give_the_same_tokens(tiny_model, greedy_reference):
+    """10 blocks for 7 prompts growing to 3-5 blocks each: decode preempts (drafts never do, they take
+    free blocks only); a 16-token budget prefills prompts in chunks and caps each step's drafts."""
+    with engine(tiny_model, ngram(3), num_kvcache_blocks=10, max_num_batched_tokens=16) as llm:
+        scheduler = llm.scheduler
+        for prompt in PROMPTS:
+            llm.add_request(prompt, GREEDY)
+        while not llm.is_finished():
+            llm.step()
+            live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
+            check_invariants(scheduler.block_manager, live)
+            assert all(len(seq.block_table) <= seq.num_blocks for seq in live)   # no reserved block outlives its step
+        stats = llm.stats
+        assert stats["num_preemptions"] > 0 and stats["spec_decode_accepted_tokens"] > 0
+        assert_idle(llm)
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(greedy_reference)
+
+
+def test_n_greedy_completions_are_all_the_greedy_tokens(spec, greedy_reference):
+    outputs = spec.generate(REPEATING, SamplingParams(n=3, temperature=0.0, max_tokens=40, ignore_eos=True),
+                            use_tqdm=False)
+    assert tokens(outputs) == [[ref["token_ids"]] * 3 for ref in greedy_reference[:len(REPEATING)]]
+    assert_idle(spec)
+
+
+# ---- where a completion ends ---------------------------------------------------------------------------
+def test_max_tokens_ends_inside_an_accepted_run_exactly(spec, plain):
+    lengths = list(range(1, 15))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    prompts = [REPEATING[i % len(REPEATING)] for i in range(len(lengths))]
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert [len(out["token_ids"]) for out in outputs] == lengths
+    assert all(out["finish_reason"] == "length" for out in outputs)
+    assert tokens(outputs) == tokens(plain.generate(prompts, params, use_tqdm=False))
+    assert_idle(spec)
+
+
+def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it(spec3, plain, greedy_reference, monkeypatch):
+    """Prompts that hold the start of their own greedy completion, each stopping on a token its completion
+    repeats from it: the stop token comes as an accepted draft (for some of them), ends the completion
+    where plain decoding ends it, and the accepted drafts after it are dropped."""
+    prompts, params = [], []
+    for prompt, ref in zip(REPEATING[1:], greedy_reference[1:]):
+        head = prompt + ref["token_ids"][:20]
+        for stop in sorted(set(ref["token_ids"][20:]) & set(head)):
+            prompts.append(head)
+            params.append(SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop]))
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert sum(out["finish_reason"] == "stop" for out in expected) >= 5
+    cut = []
+    real_accept = spec3.spec_decode.accept
+
+    def accept(seqs, drafts, token_ids, num_accepted, logprobs):
+        lengths = [seq.num_tokens for seq in seqs]
+        finished = real_accept(seqs, drafts, token_ids, num_accepted, logprobs)
+        cut.extend(seq.num_tokens - before < gained + 1 for seq, before, gained in zip(seqs, lengths, num_accepted)
+                   if seq in finished and seq.finish_reason == "stop")
+        return finished
+    monkeypatch.setattr(spec3.spec_decode, "accept", accept)
+    outputs = spec3.generate(prompts, params, use_tqdm=False)
+    assert [(o["token_ids"], o["finish_reason"], o["stop_reason"]) for o in outputs] == \
+        [(o["token_ids"], o["finish_reason"], o["stop_reason"]) for o in expected]
+    assert any(cut), "no stop token came inside an accepted run"
+    assert_idle(spec3)
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_the_text_as_plain_decoding(spec, plain):
+    """min_tokens defers stop strings without banning anything: the completion of 64s (one repeated token)
+    stops at its 19th, deep inside a run of accepted drafts; the tokens after it are dropped."""
+    text = spec.tokenizer.decode([64])
+    params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=19, stop=[text], ignore_eos=True)
+    out, ref = (llm.generate(REPEATING[:1], params, use_tqdm=False)[0] for llm in (spec, plain))
+    assert ref["token_ids"] == [64] * 19 and ref["finish_reason"] == "stop"
+    assert (out["token_ids"], out["text"], out["stop_reason"]) == (ref["token_ids"], ref["text"], text)
+    assert_idle(spec)
+
+
+# ---- sampling: the same draws ----------------------------------------------------------------------------
+SEEDED = [
+    dict(temperature=0.5, seed=1),
+    dict(temperature=1.0, top_k=8, top_p=0.9, seed=2),
+    dict(temperature=0.3, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.05, presence_penalty=0.05, seed=3),
+    dict(temperature=0.9, top_k=5, min_tokens=12, stop_token_ids=[12, 41, 302], seed=4),
+]
+
+
+@pytest.mark.parametrize("settings", SEEDED, ids=["plain", "filters", "penalties", "min_tokens"])
+def test_seeded_sampling_draws_the_same_tokens_as_plain_decoding(spec3, plain, settings):
+    """Each position is verified by a draw with plain decoding's key (seed, index, position) from plain
+    decoding's law given the drafts before it (penalties count them, min_tokens too): a seeded request
+    gains the very tokens plain decoding draws, n completions included."""
+    params = SamplingParams(n=2, max_tokens=30, ignore_eos=True, **settings)
+    before = spec3.stats
+    outputs = spec3.generate(REPEATING + RANDOM[:1], params, use_tqdm=False)
+    assert tokens(outputs) == tokens(plain.generate(REPEATING + RANDOM[:1], params, use_tqdm=False))
+    assert drafted(spec3, before)[1] > 0
+    assert_idle(spec3)
+
+
+def test_logprobs_are_those_of_plain_decoding(spec3, plain):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3)
+    outputs, expected = (llm.generate(REPEATING, params, use_tqdm=False) for llm in (spec3, plain))
+    for out, ref in zip(outputs, expected):
+        assert out["token_ids"] == ref["token_ids"] and len(out["logprobs"]) == 30
+        for got, want in zip(out["logprobs"], ref["logprobs"]):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+        assert out["cumulative_logprob"] == pytest.approx(ref["cumulative_logprob"], abs=1e-3)
+    assert_idle(spec3)
+
+
+# ---- sampling: the law at a drafted position -------------------------------------------------------------
+LAW = dict(temperature=0.8, top_k=5)
+N_LAW = 1000
+
+
+def top5_probabilities(hf, prompts: list[list[int]]):
+    import torch
+    from sampling_reference import hf_probabilities
+    with torch.inference_mode():
+        return hf_probabilities(hf(input_ids=torch.tensor(prompts)).logits[:, -1], **LAW)
+
+
+@pytest.fixture(scope="module")
+def law_prompt(tiny_model):
+    """A prompt after which the first token t1 is mostly one the prompt holds (lookup_min=1 then drafts the
+    token after its earliest occurrence) and that draft is often likely: pairs (t1, the most likely next
+    token) for the likely t1 are put in front, again and again (transformers computes the laws). Returns
+    the prompt, the first token's law, and each likely t1's draft (or none) and the next token's law."""
+    from oracle import load_hf_model
+    hf = load_hf_model(tiny_model)
+    prompt, best = [11, 12, 13] * 4, None
+    for _ in range(8):
+        first = top5_probabilities(hf, [prompt])[0]
+        likely = first.nonzero().flatten().tolist()
+        second = top5_probabilities(hf, [prompt + [t] for t in likely])
+        drafts = [ngram_draft(np.array(prompt + [t]), 1, 1, 1).tolist() for t in likely]
+        matched = sum(float(first[t]) for t, d in zip(likely, drafts) if d)
+        accepted = sum(float(first[t] * second[i][d[0]]) for i, (t, d) in enumerate(zip(likely, drafts)) if d)
+        if matched >= 0.5 and (best is None or accepted > best[0]):
+            best = (accepted, prompt, first, dict(zip(likely, zip(drafts, second))))
+        pairs = [x for i, t in enumerate(likely) for x in (t, int(second[i].argmax()))]
+        prompt = pairs + prompt
+    assert best is not None and best[0] > 0.05
+    return best[1:]
+
+
+def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, law_prompt):
+    """N seeded completions of one prompt (max_tokens 3: one draft at the first decode step): the second
+    token, where t1 had a match and so a draft, follows the exact law of plain decoding there (mixed over
+    t1, transformers' probabilities; Pearson's chi-square), drafts are accepted at the rate that law gives
+    them and rejected otherwise, and plain decoding draws the very same tokens with the same seed."""
+    import torch
+    prompt, first, following = law_prompt
+    params = SamplingParams(n=N_LAW, seed=21, max_tokens=3, ignore_eos=True, **LAW)
+
+    with engine(tiny_model, ngram(2, 1, 1), max_num_seqs=N_LAW, num_kvcache_blocks=N_LAW + 16) as llm:
+        # two steps, the prefill and the first decode step, then the rest is dropped
+        request = llm.add_request(prompt, params)
+        finished = llm._step()[0] + llm._step()[0]      # those that gained all 3 tokens end here
+        seqs = sorted([*finished, *llm.scheduler.running], key=lambda seq: seq.index)
+        assert [seq.index for seq in seqs] == list(range(N_LAW))
+        gained = [seq.completion_token_ids[:2] for seq in seqs]
+        llm.abort_request(request)
+        assert_idle(llm)
+        stats = llm.stats
+    with engine(tiny_model, max_num_seqs=N_LAW, num_kvcache_blocks=N_LAW + 16) as llm:
+        two = SamplingParams(n=N_LAW, seed=21, max_tokens=2, ignore_eos=True, **LAW)
+        assert tokens(llm.generate([prompt], two, use_tqdm=False))[0] == gained
+    drafted = [(t1, t2) for t1, t2 in gained if following[t1][0]]
+    assert stats["spec_decode_num_drafts"] == len(drafted) > N_LAW // 3
+    accepted = [following[t1][0][0] == t2 for t1, t2 in drafted]
+    assert stats["spec_decode_accepted_tokens"] == sum(accepted) and 0 < sum(accepted) < len(accepted)
+    # the law of t2 given that t1 was drafted for: sum over those t1 of p(t1) p(t2 | t1), renormalized
+    law = sum(first[t1] * second for t1, (draft, second) in following.items() if draft)
+    law = (law / law.sum()).double()
+    rate = sum(float(first[t1] * second[draft[0]]) for t1, (draft, second) in following.items() if draft) / float(
+        sum(first[t1] for t1, (draft, _) in following.items() if draft))
+    assert abs(sum(accepted) / len(accepted) - rate) < 4 * (rate * (1 - rate) / len(accepted)) ** 0.5
+    counts = torch.bincount(torch.tensor([t2 for _, t2 in drafted]), minlength=VOCAB).double()
+    assert counts[law == 0].sum() == 0
+    expected = law * len(drafted)
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[(law > 0) & ~big].sum().reshape(1)])
+    expected = torch.cat([expected[big], expected[(law > 0) & ~big].sum().reshape(1)])
+    statistic = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
+    p_value = float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
+    assert p_value > 1e-3
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+def test_structured_outputs_are_refused_with_speculation(spec3):
+    from nanovllm import StructuredOutputsParams
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="speculative"):
+        spec3.generate([[1, 2, 3]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="speculative"):
+        spec3.add_checked_request([1, 2, 3], params)
+    assert_idle(spec3)

@@ -1,0 +1,28 @@
+"""Speculative decoding under tensor parallelism on CPU (two gloo ranks, rank 1 spawned): every rank runs
+the verification's forward pass (ModelRunner.verify gets the drafts with the call), rank 0 samples and
+accepts, and the tokens are the one-rank engine's without speculation, greedy and seeded with penalties."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)     # worker processes: a regression must fail, not hang CI
+
+SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64, intermediate_size=96)
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [300 + i % 7 for i in range(33)]]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+          SamplingParams(n=2, temperature=0.3, repetition_penalty=1.1, frequency_penalty=0.05, seed=5,
+                         max_tokens=24, ignore_eos=True)]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_tp2_with_drafts_gives_the_tokens_of_one_rank_without(make_checkpoint):
+    model = str(make_checkpoint(**SHAPE))
+    settings = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
+    prompts = [p for p in PROMPTS for _ in PARAMS]
+    params = PARAMS * len(PROMPTS)
+    with LLM(model, **settings) as one:
+        expected = one.generate(prompts, params, use_tqdm=False)
+    with LLM(model, tensor_parallel_size=2, speculative_config=NGRAM, **settings) as two:
+        outputs = two.generate(prompts, params, use_tqdm=False)
+        assert two.stats["spec_decode_accepted_tokens"] > 0
+    assert [o["outputs"] for o in outputs] == [o["outputs"] for o in expected]
