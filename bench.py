@@ -39,7 +39,8 @@ TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, n
 DEFAULTS = {"cuda": dict(num_seqs=256, max_input_len=1024, max_output_len=1024),    # upstream's workload
             "cpu": dict(num_seqs=16, max_input_len=128, max_output_len=64)}       # a minute or two on CPU
 ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                "kv_cache_dtype", "disable_custom_all_reduce", "load_format", "quantization")
+                "kv_cache_dtype", "disable_custom_all_reduce", "load_format", "quantization", "speculative_config")
+SPEC_STATS = ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
 
 
 @dataclass
@@ -382,6 +383,7 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
     from nanovllm import SamplingParams
 
     preemptions_before, hits_before = llm.stats["num_preemptions"], llm.stats["num_prefix_cache_hit_tokens"]
+    spec_before = {name: llm.stats[name] for name in SPEC_STATS if name in llm.stats}
     if workload.temperature is not None:
         options = dict(options, temperature=workload.temperature)
     params = [SamplingParams(ignore_eos=True, max_tokens=m, **options) for m in workload.max_tokens]
@@ -402,7 +404,8 @@ def run_workload(llm, workload: Workload, options: dict, desc: str = "nanovllm")
             pbar.update(len(finished))
         elapsed = perf_counter() - start
     stats, config = llm.stats, llm.config
-    return dict(time_s=elapsed, generated=generated, prefill_time_s=prefill_s, decode_time_s=decode_s,
+    spec = {name: stats[name] - before for name, before in spec_before.items()}    # with --speculative-config
+    return dict(**spec, time_s=elapsed, generated=generated, prefill_time_s=prefill_s, decode_time_s=decode_s,
                 num_preemptions=stats["num_preemptions"] - preemptions_before,
                 prefix_cache_hit_tokens=stats["num_prefix_cache_hit_tokens"] - hits_before,
                 peak_kv_blocks=stats["num_peak_used_blocks"], num_kv_blocks=llm.model_runner.num_kvcache_blocks,
@@ -495,6 +498,14 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
               f"{result['kv_block_size']} = {total * result['kv_block_size']} tokens")
     else:
         print("Prefill/decode split, preemptions, KV blocks: not reported by transformers")
+    spec = {}
+    if "spec_decode_num_drafts" in result:
+        steps, drafts, accepted = (result[name] for name in SPEC_STATS)
+        spec["spec_decode_mean_accepted_length"] = accepted / max(steps, 1)
+        print(f"Speculative decoding: {drafts} draft tokens in {steps} draft steps (a sequence's step with drafts), "
+              f"{accepted} accepted ({accepted / max(drafts, 1):.0%}); mean accepted length "
+              f"{spec['spec_decode_mean_accepted_length']:.2f} (accepted / draft steps), so "
+              f"{1 + spec['spec_decode_mean_accepted_length']:.2f} tokens per draft step")
     if "fp8_params" in floor:
         experts = " and the experts" if floor["fp8_experts"] else ""
         print(f"Weights: FP8 for {floor['fp8_params'] / 1e9:.3g}B projection parameters{experts} (one byte each; their "
@@ -515,7 +526,17 @@ def report(result: dict, floor: dict, workload: Workload, n: int = 1) -> dict:
                 prompt_and_output_throughput=(prompt_tokens + tokens) / elapsed,
                 dtype=str(result["dtype"]).removeprefix("torch."),
                 kv_cache_dtype=str(result["kv_cache_dtype"]).removeprefix("torch."), **floor,
-                fraction_of_floor=fraction)
+                fraction_of_floor=fraction, **spec)
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def workload_names(text: str) -> tuple[str, ...]:
@@ -587,6 +608,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--quantization", choices=("fp8",),
                         help="FP8 weights, quantized at load (an FP8 checkpoint is FP8 without it); the floor counts "
                         "one byte per projection weight")
+    engine.add_argument("--speculative-config", type=json_object, metavar="JSON",
+                        help="speculative decoding, vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
+                        "the report adds the drafts accepted")
     engine.add_argument("--load-format", choices=("auto", "dummy"),
                         help="the checkpoint's weights (auto) or seeded random ones drawn from config.json alone "
                         "(dummy; the floor then counts the parameters from the config); --shape qwen3-30b-a3b "
