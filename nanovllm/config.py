@@ -21,10 +21,10 @@ DTYPES = ("float32", "float16", "bfloat16")     # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}   # None: the model's dtype; else a torch dtype's name
 LOAD_FORMATS = ("auto", "dummy")   # dummy: seeded random weights from config.json alone (benchmarks of big shapes)
-CPU_KV_CACHE_BYTES = 512 << 20
+CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, independent of free RAM
 # reasoning parser -> (start, end) markers of a model's thinking: a structured output constrains the answer
 # after the end marker, not the thinking (the server also splits the text there: entrypoints/reasoning_parsers)
-REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}   # the CPU's default KV budget: modest, fixed, independent of free RAM
+REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 SPECULATIVE_METHODS = ("ngram",)                    # speculative_config["method"]: what runs today
 SPECULATIVE_METHODS_TO_COME = ("draft_model", "eagle3")     # vLLM's names, refused until they are implemented
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")

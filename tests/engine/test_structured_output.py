@@ -165,15 +165,14 @@ def test_structural_tags_in_both_of_vllms_forms_are_checked():
             check_structured_outputs(StructuredOutputsParams(structural_tag=bad))
 
 
-def test_constrained_outputs_survive_preemption_chunked_prefill_and_cache_hits():
+def test_constrained_outputs_survive_preemption_chunked_prefill_and_cache_hits(llm):
     """A KV cache too small for the batch (sequences are preempted and recomputed), prompts longer than
     a step's token budget (chunked), and the same prompts again (prefix-cache hits): the seeded outputs
     equal those of an engine with room for everything."""
     params = [sampled(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True), seed=s, max_tokens=120)
               for s in range(4)]
     long_ask = [{"role": "user", "content": "Describe a user of a web site. " * 6}]     # ~80 tokens
-    with LLM(default_model(), device="cpu") as roomy:
-        expected = [o["text"] for o in roomy.chat([long_ask] * 4, params, use_tqdm=False)]
+    expected = [o["text"] for o in llm.chat([long_ask] * 4, params, use_tqdm=False)]     # room for everything
     with LLM(default_model(), device="cpu", kvcache_block_size=16, num_kvcache_blocks=24,
              max_num_batched_tokens=64, max_model_len=512) as tight:
         first = tight.chat([long_ask] * 4, params, use_tqdm=False)
