@@ -261,16 +261,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     per-channel path either way (tests); default: scaled_mm_applies."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    num_rows, num_cols = x.shape[0], weight.shape[0]
     q, scale = quantize_activations(x, GROUP if block_scaled else None)
+    out = fp8_matmul(q, scale, weight, weight_scale, block_scaled, x.dtype, use_scaled_mm)
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+def fp8_matmul(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               block_scaled: bool, out_dtype: torch.dtype, use_scaled_mm: bool | None = None) -> torch.Tensor:
+    """fp8_linear's GEMM for activations already quantized (q e4m3 [M, K], scale as quantize_activations gives
+    it, e.g. written by nanovllm.kernels.fp8_activations): [M, N] in out_dtype."""
+    num_rows, num_cols = q.shape[0], weight.shape[0]
     if use_scaled_mm is None and choose_skinny_config(num_rows) is not None:
-        return fp8_skinny_gemm(q, scale, weight, weight_scale, x.dtype, block_scaled).view(*shape[:-1], num_cols)
+        return fp8_skinny_gemm(q, scale, weight, weight_scale, out_dtype, block_scaled)
     if not block_scaled:
         if use_scaled_mm is None:
-            use_scaled_mm = scaled_mm_applies(num_rows, num_cols, x.shape[1], x.dtype, x.device)
+            use_scaled_mm = scaled_mm_applies(num_rows, num_cols, q.shape[1], out_dtype, q.device)
         if use_scaled_mm:
-            out = torch._scaled_mm(q, weight.t(), scale_a=scale.view(-1, 1), scale_b=weight_scale.view(1, -1),
-                                   out_dtype=x.dtype)
-            return out.view(*shape[:-1], num_cols)
-    out = fp8_gemm(q, scale, weight, weight_scale, x.dtype, block_scaled)
-    return out.view(*shape[:-1], num_cols)
+            return torch._scaled_mm(q, weight.t(), scale_a=scale.view(-1, 1), scale_b=weight_scale.view(1, -1),
+                                    out_dtype=out_dtype)
+    return fp8_gemm(q, scale, weight, weight_scale, out_dtype, block_scaled)

@@ -12,7 +12,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: the merged gate_up projection's first half, SiLU'd, times its second half (one
-    Triton kernel on a GPU)."""
+    Triton kernel on a GPU). `output_quantization`: as RMSNorm's (the down projection's input form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.output_quantization = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return pointwise.silu_and_mul(x) if x.is_cuda else silu_and_mul(x)
+        quantization = self.output_quantization
+        if quantization is not None:
+            fused = quantization.silu_and_mul(x)
+            if fused is not None:
+                return fused
+        out = pointwise.silu_and_mul(x) if x.is_cuda else silu_and_mul(x)
+        return out if quantization is None else quantization.quantize(out)

@@ -22,14 +22,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
+    """`output_quantization`: set where one quantized layer alone reads the output (the model says which: its
+    InputQuantization); the output is then written in that layer's input form (QuantizedActivations)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.output_quantization = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalized x; with `residual`, (normalized x + residual, x + residual). One Triton kernel on a GPU."""
+        quantization = self.output_quantization
+        if quantization is not None:
+            fused = quantization.rms_norm(x, self.weight, self.eps, residual)
+            if fused is not None:
+                return fused
+        out = self._normalize(x, residual)
+        if quantization is None:
+            return out
+        if residual is None:
+            return quantization.quantize(out)
+        return quantization.quantize(out[0]), out[1]
+
+    def _normalize(self, x: torch.Tensor, residual: torch.Tensor | None):
         if x.is_cuda and x.dim() == 2 and self.weight.dtype == x.dtype:
             return pointwise.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

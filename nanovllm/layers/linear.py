@@ -76,6 +76,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def input_quantization(self):
+        """How the module that alone feeds this layer may write its input (None: in the model's dtype):
+        the model sets it as that module's `output_quantization`."""
+        return self.quant_method.input_quantization(self)
+
     def process_weights_after_loading(self) -> None:
         """Called by the loader once every checkpoint tensor is in: online quantization happens here."""
         self.quant_method.process_weights_after_loading(self)

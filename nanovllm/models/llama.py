@@ -57,6 +57,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
+        self.act_fn.output_quantization = self.down_proj.input_quantization()   # down reads it alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -72,6 +73,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # a norm whose output one projection alone reads writes it in that projection's input form (FP8: e4m3
+        # values and scales, in the norm's own pass); a MoE block's router reads it in the model's dtype
+        self.input_layernorm.output_quantization = self.self_attn.qkv_proj.input_quantization()
+        if isinstance(self.mlp, LlamaMLP):
+            self.post_attention_layernorm.output_quantization = self.mlp.gate_up_proj.input_quantization()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -243,3 +243,60 @@ def test_the_loader_refuses_fp8_tensors_it_cannot_read(tiny_model, tmp_path):
         return dict(tensors, **{"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 512)})
     with pytest.raises(ValueError, match="dtype torch.float32 for an FP8 weight"):
         load_model(quantized, str(_copy_with(fp8, tmp_path / "d", bf16_weight)))
+
+
+def fp8_layer(method, rows: int, cols: int) -> ColumnParallelLinear:
+    with building_with_quantization(method):
+        layer = ColumnParallelLinear(cols, rows)
+    q_w, s_w = quantize_weight(torch.randn(rows, cols) * 0.05, method.scheme)
+    layer.weight.data.copy_(q_w)
+    getattr(layer, method.scale_name).data.copy_(s_w)
+    return layer
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernels: needs a CUDA GPU"))])
+@pytest.mark.parametrize("method", [CHANNEL, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("num_rows", [5, 40])          # a decode step's skinny GEMM, and a tiled one
+def test_norm_and_gate_write_an_fp8_layers_input_as_the_layer_would_quantize_it(num_rows, method, device):
+    """A module whose output one FP8 layer alone reads (RMSNorm before q/k/v or gate/up, SiLU-and-mul before
+    down) hands it the e4m3 values and scales the layer would have computed (on a GPU in the same kernel as
+    the norm or the gate): the layer's output is unchanged, bit for bit."""
+    from nanovllm.layers.activation import SiluAndMul
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.quantization.base import QuantizedActivations
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = fp8_layer(method, 64, 256).to(device)
+    norm, gate = RMSNorm(256).to(device, dtype), SiluAndMul()
+    norm.weight.data = (1 + 0.1 * torch.randn(256)).to(device, dtype)
+    x, residual, gate_up = (t.to(device, dtype) for t in (torch.randn(num_rows, 256), torch.randn(num_rows, 256),
+                                                          2 * torch.randn(num_rows, 512)))
+    plain_normed, plain_summed = norm(x, residual)
+    plain_first = norm(x)
+    plain_gated = gate(gate_up)
+    norm.output_quantization = gate.output_quantization = layer.input_quantization()
+    normed, summed = norm(x, residual)
+    first, gated = norm(x), gate(gate_up)
+    assert all(isinstance(out, QuantizedActivations) for out in (normed, first, gated))
+    assert torch.equal(summed, plain_summed)
+    for quantized, plain in ((normed, plain_normed), (first, plain_first), (gated, plain_gated)):
+        assert torch.equal(layer(quantized), layer(plain))
+
+
+def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
+    """FP8 projections' producers write their input form; in the model's dtype nothing changes."""
+    from transformers import Qwen3Config
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+    config = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    with building_with(TensorParallelGroup()):
+        plain = Qwen3ForCausalLM(config)
+        with building_with_quantization(CHANNEL):
+            fp8 = Qwen3ForCausalLM(config)
+    for model, wired in ((plain, False), (fp8, True)):
+        layer = model.model.layers[0]
+        producers = (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn)
+        assert all((p.output_quantization is not None) == wired for p in producers)
+        assert model.model.norm.output_quantization is None                 # the LM head stays in bf16
+        assert layer.self_attn.q_norm.output_quantization is None

@@ -11,16 +11,45 @@ MoE layers, the loader, Config and the model runner never test a scheme's name:
   layer's `weight_loader`), process_weights_after_loading (once every checkpoint tensor is in: online
   quantization), apply (the forward), warmup_token_counts (the token counts whose prefill compiles each kernel
   variant the layer can take; the engine runs them at start-up); and the moe_ variants of each for FusedMoE;
+- for the modules that produce a quantized layer's input (RMSNorm, SiLU-and-mul), where that layer is its only
+  reader: input_quantization (an InputQuantization that writes the input in the form the layer multiplies,
+  QuantizedActivations, in the same pass; apply takes either form);
 - for the loader: unexpected_tensor (what a checkpoint tensor that no parameter takes is, if some registered
   scheme stores such tensors: refused by name rather than skipped).
 """
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
 # name -> method class: LLM(quantization=name), and checkpoints through each class's checkpoint_formats
 QUANTIZATION_METHODS: dict[str, type["QuantizationMethod"]] = {}
+
+
+class QuantizedActivations(NamedTuple):
+    """A quantized layer's input already in the form its scheme multiplies (FP8: e4m3 values [M, K] and their
+    float32 scales), written by the module that produced it; `dtype`: the model's, which the output takes."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+class InputQuantization:
+    """How a scheme's layers want their input, for the module whose output a layer alone reads: that module
+    calls the fused variant of its pass where one runs (None elsewhere), or quantizes its plain output."""
+
+    def quantize(self, x: torch.Tensor) -> QuantizedActivations:
+        """x [M, K] in the model's dtype as the layer would quantize it."""
+        raise NotImplementedError
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        """RMSNorm (of x + residual) written quantized, as RMSNorm.forward returns it (with the sum as the
+        residual when given one), or None where no fused pass runs (then the plain output is quantized)."""
+        return None
+
+    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivations | None:
+        """SiLU(x's first half) * its second half, written quantized, or None (as rms_norm)."""
+        return None
 
 
 class QuantizationMethod:
@@ -77,12 +106,16 @@ class QuantizationMethod:
         """Once every checkpoint tensor is in (called again, it changes nothing)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T + bias, in x's dtype."""
+        """x @ W^T + bias, in x's dtype (x: QuantizedActivations where input_quantization says so)."""
         raise NotImplementedError
 
     def warmup_token_counts(self, layer: nn.Module) -> tuple[int, ...]:
         """Token counts whose prefill compiles each kernel variant `layer` can take (none: nothing compiles)."""
         return ()
+
+    def input_quantization(self, layer: nn.Module) -> InputQuantization | None:
+        """How the module that alone feeds `layer` may write its input quantized (None: in the model's dtype)."""
+        return None
 
     # ---- mixture-of-experts layers (FusedMoE) ------------------------------------------------------------------
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,

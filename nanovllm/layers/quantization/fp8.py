@@ -32,9 +32,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from nanovllm.kernels import fp8_gemm
+from nanovllm.kernels import fp8_activations, fp8_gemm
 from nanovllm.layers.quantization import fp8_checkpoints
-from nanovllm.layers.quantization.base import QuantizationMethod, moe_kernel_token_counts, stacked_expert_weights
+from nanovllm.layers.quantization.base import (InputQuantization, QuantizationMethod, QuantizedActivations,
+                                               moe_kernel_token_counts, stacked_expert_weights)
 from nanovllm.layers.quantization.fp8_checkpoints import BLOCK
 
 FP8 = torch.float8_e4m3fn
@@ -107,17 +108,46 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, scheme: str) ->
     return weight.float() * _expand(scale.float(), *weight.shape)
 
 
-def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The CPU path: x [..., K] quantized as the scheme says, dequantized, times the dequantized weight in
-    float32, rounded to x's dtype (the module docstring's arithmetic)."""
-    shape, rows = x.shape, x.reshape(-1, x.shape[-1])
-    q, scale = quantize_activations(rows, BLOCK if scheme == "block" else None)
+def fp8_linear_torch(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     scheme: str) -> torch.Tensor:
+    """The CPU path: x [..., K] quantized as the scheme says (or already, as QuantizedActivations [M, K]),
+    dequantized, times the dequantized weight in float32, rounded to x's dtype (the module docstring's
+    arithmetic)."""
+    if isinstance(x, QuantizedActivations):
+        (q, scale, dtype), shape = x, x.values.shape
+    else:
+        shape, dtype = x.shape, x.dtype
+        q, scale = quantize_activations(x.reshape(-1, x.shape[-1]), BLOCK if scheme == "block" else None)
     if scheme == "block":
-        a = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :rows.shape[1]]
+        a = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :q.shape[1]]
     else:
         a = q.float() * scale[:, None]
     y = a @ dequantize_weight(weight, weight_scale, scheme).t()
-    return y.to(x.dtype).view(*shape[:-1], weight.shape[0])
+    return y.to(dtype).view(*shape[:-1], weight.shape[0])
+
+
+@dataclass(frozen=True)
+class Fp8Input(InputQuantization):
+    """An FP8 layer's input: e4m3 values with float32 scales per token (group_size None) or per token and group
+    of 128 columns. On a GPU, RMSNorm and SiLU-and-mul write it themselves (nanovllm.kernels.fp8_activations:
+    one launch and one pass over the rows fewer per projection); elsewhere their output is quantized."""
+    group_size: int | None
+
+    def quantize(self, x: torch.Tensor) -> QuantizedActivations:
+        quantize = fp8_gemm.quantize_activations if x.is_cuda else quantize_activations
+        return QuantizedActivations(*quantize(x, self.group_size), x.dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        if not (x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype):
+            return None
+        q, scale, *summed = fp8_activations.rms_norm_quant(x, weight, eps, residual, self.group_size)
+        out = QuantizedActivations(q, scale, x.dtype)
+        return (out, *summed) if summed else out
+
+    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivations | None:
+        if not (x.is_cuda and x.dim() == 2):
+            return None
+        return QuantizedActivations(*fp8_activations.silu_and_mul_quant(x, self.group_size), x.dtype)
 
 
 # ---- the methods --------------------------------------------------------------------------------------------
@@ -211,14 +241,21 @@ class Fp8Method(QuantizationMethod):
         layer.weight = nn.Parameter(q, requires_grad=False)
         self._register_linear_scale(layer, scale)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T (+ bias, added in x's dtype after the GEMM)."""
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivations,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias, added in x's dtype after the GEMM); x in the model's dtype, or already quantized."""
         scale = getattr(layer, self.scale_name)
-        if x.is_cuda:
-            y = fp8_gemm.fp8_linear(x, layer.weight, scale, block_scaled=self.scheme == "block")
+        block_scaled = self.scheme == "block"
+        if isinstance(x, QuantizedActivations) and x.values.is_cuda:
+            y = fp8_gemm.fp8_matmul(x.values, x.scales, layer.weight, scale, block_scaled, x.dtype)
+        elif not isinstance(x, QuantizedActivations) and x.is_cuda:
+            y = fp8_gemm.fp8_linear(x, layer.weight, scale, block_scaled)
         else:
             y = fp8_linear_torch(x, layer.weight, scale, self.scheme)
         return y if bias is None else y + bias
+
+    def input_quantization(self, layer: nn.Module) -> Fp8Input:
+        return Fp8Input(BLOCK if self.scheme == "block" else None)
 
     def warmup_token_counts(self, layer: nn.Module) -> tuple[int, ...]:
         """One token count per compiled tile config of the FP8 GEMM."""

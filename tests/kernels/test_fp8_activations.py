@@ -1,0 +1,73 @@
+"""RMSNorm and SiLU-and-mul that write FP8 activations (nanovllm.kernels.fp8_activations) give, bit for bit,
+the values and scales of the unfused kernels they replace: pointwise's kernel, then fp8_gemm's quantization
+(under Triton's interpreter on CPU, compiled on a GPU)."""
+import pytest
+import torch
+
+from nanovllm.kernels import fp8_activations, fp8_gemm, pointwise
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def rows(num_rows: int, width: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Rows of very different sizes, one of them all zero, with a few outliers and a stride."""
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    x = torch.randn(num_rows, width + 3, generator=g, device=DEVICE) * torch.logspace(-2, 1, num_rows, device=DEVICE)[:, None]
+    x[-1, ::7] *= 40.0
+    return x.to(dtype)[:, :width]
+
+
+def assert_same_quantization(got, expected):
+    (q, scale), (q_ref, scale_ref) = got, expected
+    assert q.dtype == torch.float8_e4m3fn and q.shape == q_ref.shape and scale.shape == scale_ref.shape
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(bits(q), bits(q_ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("width", [64, 300])        # narrower than a group; ragged groups and a padded block
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_quant_is_the_norm_then_the_quantization(add, width, group, dtype):
+    x, residual = rows(5, width, dtype), rows(5, width, dtype, seed=1)
+    x[2] = 0.0
+    residual[2] = 0.0                                # an all-zero row: the smallest scale, zero values
+    weight = (1 + 0.3 * torch.randn(width, device=DEVICE)).to(dtype)
+    if add:
+        q, scale, summed = fp8_activations.rms_norm_quant(x, weight, 1e-6, residual, group)
+        normed, summed_ref = pointwise.rms_norm(x, weight, 1e-6, residual)
+        assert torch.equal(summed, summed_ref)
+    else:
+        q, scale = fp8_activations.rms_norm_quant(x, weight, 1e-6, None, group)
+        normed = pointwise.rms_norm(x, weight, 1e-6)
+    assert_same_quantization((q, scale), fp8_gemm.quantize_activations(normed, group))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("width", [96, 1100])       # one block; several blocks with a ragged last one
+def test_silu_and_mul_quant_is_the_gate_then_the_quantization(width, group, dtype):
+    x = (3 * rows(4, 2 * width, dtype, seed=2))
+    x[1] = 0.0
+    got = fp8_activations.silu_and_mul_quant(x, group)
+    assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x), group))
+
+
+def test_rows_wider_than_a_program_holds_take_two_passes(monkeypatch):
+    """Per-token scales of a row wider than MAX_BLOCK: its amax over every block, then its values."""
+    monkeypatch.setattr(fp8_activations, "MAX_BLOCK", 256)
+    x = 3 * rows(3, 2 * 700, torch.bfloat16, seed=3)
+    got = fp8_activations.silu_and_mul_quant(x, None)
+    assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x), None))
+
+
+def test_no_rows():
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE)
+    q, scale = fp8_activations.silu_and_mul_quant(x)
+    assert q.shape == (0, 32) and scale.shape == (0,)
+    q, scale, summed = fp8_activations.rms_norm_quant(x, torch.ones(64, dtype=x.dtype, device=DEVICE), 1e-6, x, 128)
+    assert q.shape == (0, 64) and scale.shape == (0, 1) and summed.shape == (0, 64)
