@@ -39,7 +39,8 @@ TINY_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, n
 DEFAULTS = {"cuda": dict(num_seqs=256, max_input_len=1024, max_output_len=1024),    # upstream's workload
             "cpu": dict(num_seqs=16, max_input_len=128, max_output_len=64)}       # a minute or two on CPU
 ENGINE_KNOBS = ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                "kv_cache_dtype", "disable_custom_all_reduce", "load_format", "quantization", "speculative_config")
+                "kv_cache_dtype", "disable_custom_all_reduce", "load_format", "quantization", "speculative_config",
+                "kvcache_block_size")
 SPEC_STATS = ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
 
 
@@ -603,6 +604,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
     engine.add_argument("--disable-custom-all-reduce", action="store_true", default=None,
                         help="tensor parallel: every all-reduce through NCCL, none through peer memory")
+    engine.add_argument("--kvcache-block-size", type=int,
+                        help="tokens per KV cache page (a power of two >= 16; default 256)")
     engine.add_argument("--kv-cache-dtype", choices=("auto", "fp8"),
                         help="KV cache storage: the model's dtype (auto) or float8_e4m3fn; the floor counts its bytes")
     engine.add_argument("--quantization", choices=("fp8",),
