@@ -12,7 +12,7 @@ row whose three weights are all no-ops returns at once.
 The arithmetic is the torch reference's (nanovllm.layers.logits_processor.apply_penalties), operation
 for operation in float32: repetition over the tokens in the prompt or the output (logit > 0: divided
 by r, else multiplied by r; an IEEE-rounded division, as torch's), then minus (f * count + p * (count
-> 0)), rounded to the logits' dtype at the end. Fused multiply-adds are off, so on the GPU results
+> 0)), rounded to the logits' dtype at the end. No fused multiply-adds (each product an explicit mul.rn), so on the GPU results
 are the reference's bit for bit, float32 and bfloat16 logits alike (Triton's CPU interpreter rounds
 float32 to bfloat16 toward zero: one bfloat16 ulp off at most there).
 
@@ -25,9 +25,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _product(a, b, INTERPRET: tl.constexpr):
+    """a * b rounded on its own: on the GPU an explicit mul.rn, which neither LLVM nor ptxas contracts into a
+    fused multiply-add with the sum it feeds (with enable_fp_fusion=False alone, an H100 run found the kernel
+    off the torch path in the last bit, where f * c is inexact)."""
+    if INTERPRET:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _penalties_kernel(logits_ptr, rows_ptr, state_rows_ptr, prompt_ptr, counts_ptr, repetition_ptr,
                       frequency_ptr, presence_ptr, vocab_size, stride_logits, stride_state,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     i = tl.program_id(0)
     repetition = tl.load(repetition_ptr + i)
     frequency = tl.load(frequency_ptr + i)
@@ -48,7 +59,9 @@ def _penalties_kernel(logits_ptr, rows_ptr, state_rows_ptr, prompt_ptr, counts_p
     x = raw.to(tl.float32)
     x = tl.where(seen, tl.where(x > 0, tl.math.div_rn(x, repetition), x * repetition), x)
     c = counts.to(tl.float32)
-    x = x - (frequency * c + presence * (c > 0).to(tl.float32))
+    frequency = tl.zeros_like(c) + frequency
+    presence = tl.zeros_like(c) + presence
+    x = x - (_product(frequency, c, INTERPRET) + _product(presence, (c > 0).to(tl.float32), INTERPRET))
     tl.store(x_ptrs, x.to(raw.dtype), mask=ok)
 
 
@@ -70,7 +83,8 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.
     _penalties_kernel[(num, triton.cdiv(vocab_size, block))](
         logits, rows, state_rows, prompt_mask.view(torch.uint8), output_counts, repetition.to(torch.float32),
         frequency.to(torch.float32), presence.to(torch.float32), vocab_size, logits.stride(0),
-        output_counts.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        output_counts.stride(0), BLOCK=block, INTERPRET=logits.device.type != "cuda", num_warps=4,
+        enable_fp_fusion=False)
 
 
 @triton.jit

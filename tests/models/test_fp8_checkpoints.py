@@ -19,7 +19,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_
              num_hidden_layers=2, vocab_size=512)
 MARGIN = 0.5            # nats: a decided position
 NUM_FORCED = 24
-ENGINE = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=64)
+ENGINE = dict(device="cpu", max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=64)   # on a GPU box too
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_tp2_equals_tp1_on_a_block_fp8_checkpoint(checkpoints, positions):
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
     forced = {}
     for tp in (1, 2):
-        with LLM(str(checkpoints["block"]), device="cpu", tensor_parallel_size=tp, **ENGINE) as llm:
+        with LLM(str(checkpoints["block"]), tensor_parallel_size=tp, **ENGINE) as llm:
             forced[tp] = [o["prompt_logprobs"] for o in llm.generate(prompts, params, use_tqdm=False)]
     num_decided = 0
     for prompt, one, two in zip(prompts, forced[1], forced[2]):

@@ -23,7 +23,7 @@ SHAPES = {
 }
 MARGIN = 0.5            # nats: a decided position
 NUM_FORCED = 24
-ENGINE = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=48)
+ENGINE = dict(device="cpu", max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=48)   # on a GPU box too
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -121,7 +121,7 @@ def test_tp2_equals_tp1_on_block_fp8_experts(checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     logprobs = {}
     for tp in (1, 2):
-        with LLM(str(checkpoints["block"]), device="cpu", tensor_parallel_size=tp, **ENGINE) as llm:
+        with LLM(str(checkpoints["block"]), tensor_parallel_size=tp, **ENGINE) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         logprobs[tp] = torch.tensor([value for o in outputs for entry in o["prompt_logprobs"][1:]
                                      for value in entry.values()])
@@ -135,4 +135,4 @@ def test_block_fp8_experts_must_split_on_scale_blocks(make_checkpoint, tmp_path)
     shape = dict(SHAPES["qwen3-moe"], moe_intermediate_size=128)
     block = to_block_fp8(make_checkpoint(**shape), tmp_path / "block")
     with pytest.raises(ValueError, match="block-FP8 experts .* multiple of 128"):
-        LLM(str(block), device="cpu", tensor_parallel_size=2, **ENGINE)
+        LLM(str(block), tensor_parallel_size=2, **ENGINE)
