@@ -77,29 +77,43 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
     """Paged decode: q [B, Lq, Hq, D] against each sequence's first cache_seqlens[b] cached tokens.
 
-    Batched: every sequence's pages are gathered into one padded [B, max_len, Hkv, D] tensor and the
-    padding is masked, so a decode step costs a handful of tensor ops whatever the batch size."""
+    Batched: every sequence's pages are gathered into one padded [B, L, Hkv, D] tensor and the padding is
+    masked, so a decode step costs a handful of tensor ops whatever the batch size. Grouped-query heads
+    are not repeated: the `group` query heads that share a KV head are stacked as rows of one matrix
+    ([B, Hkv, group * Lq, D]), so each K/V is read once. On the host (CPU tensors) L is cut to the
+    batch's longest sequence; on a device it stays the block table's width (no sync, graph-safe)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    batch, lq, num_heads, _ = q.shape
+    batch, lq, num_heads, head_dim = q.shape
+    on_host = q.device.type == "cpu"
+    longest = int(cache_seqlens.max()) if on_host and batch else None
     if block_table is None:
         k, v = k_cache, v_cache                                             # [B, L, Hkv, D]
     else:
         pages = block_table.long().clamp_min(0)                              # -1 padding -> any valid block
+        if longest is not None:
+            pages = pages[:, :max(1, -(-longest // k_cache.shape[1]))]       # only the blocks some row reads
         k = k_cache[pages].flatten(1, 2)                                     # [B, M * block_size, Hkv, D]
         v = v_cache[pages].flatten(1, 2)
-    group = num_heads // k.shape[2]
-    k = k.to(compute_dtype).repeat_interleave(group, dim=2).permute(0, 2, 3, 1)   # [B, Hq, D, L]
-    v = v.to(compute_dtype).repeat_interleave(group, dim=2).transpose(1, 2)       # [B, Hq, L, D]
-    scores = torch.matmul(q.to(compute_dtype).transpose(1, 2), k) * scale          # [B, Hq, Lq, L]
+    if longest is not None:
+        k, v = k[:, :max(1, longest)], v[:, :max(1, longest)]
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    # query head h reads KV head h // group; rows of a KV head's matrix run (head in group, query position)
+    qg = q.to(compute_dtype).view(batch, lq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, num_kv_heads, group * lq, head_dim)
+    kt = k.to(compute_dtype).permute(0, 2, 3, 1)                                  # [B, Hkv, D, L]
+    vf = v.to(compute_dtype).transpose(1, 2)                                      # [B, Hkv, L, D]
+    scores = torch.matmul(qg, kt) * scale                                         # [B, Hkv, group * Lq, L]
     lengths = cache_seqlens.long().view(batch, 1, 1, 1)
-    key_pos = torch.arange(k.shape[-1], device=q.device).view(1, 1, 1, -1)
+    key_pos = torch.arange(kt.shape[-1], device=q.device).view(1, 1, 1, -1)
     visible = key_pos < lengths
     # slots past a sequence's length were never written (the cache is uninitialized memory): zero
     # their values, or a NaN there would survive its zero attention weight (0 * NaN = NaN)
-    v = v.masked_fill(~visible.transpose(2, 3), 0.0)
+    vf = vf.masked_fill(~visible.transpose(2, 3), 0.0)
     if causal:
-        query_pos = torch.arange(lq, device=q.device).view(1, 1, -1, 1) + lengths - lq
+        query_pos = (torch.arange(group * lq, device=q.device) % lq).view(1, 1, -1, 1) + lengths - lq
         visible = visible & (key_pos <= query_pos)
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, v).transpose(1, 2).to(q.dtype)
+    out = torch.matmul(probs, vf).view(batch, num_kv_heads, group, lq, head_dim)   # [B, Hkv, group, Lq, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, lq, num_heads, head_dim).to(q.dtype)
