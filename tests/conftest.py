@@ -15,6 +15,68 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _speed_up_the_interpreter() -> None:
+    """Two shortcuts in Triton's interpreter (3.x), which runs every kernel test on the CPU; only its
+    speed changes: the same functions run on the same values.
+
+    First, it swaps triton.language's builtins for interpreted ones when a kernel
+    launches, and undoes that when it ends; but it repeats the swap on every call of a @triton.jit helper
+    inside the kernel (tl.rand4x's Philox, our _gumbel, ...), a scan of the modules' members that is a
+    no-op once they are swapped and took a third of the sampling kernels' interpreted time. Here a helper's
+    call skips it when the launch in progress has swapped every module the helper sees; anything else
+    (a helper that sees a module the kernel did not) takes the interpreter's own path. Second, below:
+    xor reductions in numpy."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+        original, executor_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+        language, core = interpreter.tl, interpreter.tl.core
+        interpreter.ReduceOps.apply_impl, interpreter._LangPatchScope    # noqa: B018 (both must exist)
+    except (ImportError, AttributeError):       # another interpreter layout: leave it as it is
+        return
+    swapped: list[set] = []                     # per launch in progress, the modules it swapped
+
+    def langs_of(fn) -> set:
+        return {id(value) for value in fn.__globals__.values() if value is language or value is core}
+
+    def patch_lang(fn):
+        langs = langs_of(fn)
+        if swapped and langs and langs <= swapped[-1]:
+            return interpreter._LangPatchScope()    # nothing to swap, nothing to undo
+        scope = original(fn)
+        if swapped:
+            swapped[-1] |= langs
+        return scope
+
+    def call(self, *args, **kwargs):
+        swapped.append(set())
+        try:
+            return executor_call(self, *args, **kwargs)
+        finally:
+            swapped.pop()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = call
+
+    # tl.sort's bitonic network reduces with xor_sum, for which the interpreter has no numpy path: it
+    # called the combine function once per element (nine tenths of a sampling kernel's time). An xor
+    # over an axis of integers is exact in any order, so numpy's reduction gives the same bits.
+    xor_combine = getattr(interpreter.tl.standard, "_xor_combine", None)
+    reduce_impl = interpreter.ReduceOps.apply_impl
+
+    def apply_impl(self, input):
+        if xor_combine is not None and self.combine_fn is xor_combine and len(input) == 1:
+            data = input[0].handle.data
+            return self.to_tensor(np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims), input[0].dtype)
+        return reduce_impl(self, input)
+
+    interpreter.ReduceOps.apply_impl = apply_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _speed_up_the_interpreter()
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     """make_checkpoint(**shape) -> directory of a random-weight checkpoint, written once per shape."""
