@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=800.0, help="bf16 peak; FP8 counts twice that")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--schemes", default="channel,block", help="the weight scales --sweep times: channel, block")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
     torch.manual_seed(0)
@@ -96,7 +97,7 @@ def main() -> None:
         sets = weight_sets(n, k, 4)
         for m in counts:
             if args.sweep:
-                for scheme in ("channel", "block"):
+                for scheme in args.schemes.split(","):
                     for config in (SWEEP if m > 16 else SWEEP[1:2] + SKINNY_SWEEP):
                         if isinstance(config, SkinnyConfig) and m > config.block_m:
                             continue
