@@ -1,0 +1,109 @@
+"""One engine, ours or vLLM, on bench.py's standard workload, then a profiled short run: where each engine's GPU
+time goes, kernel by kernel, on the same prompts.
+
+    PYTHONPATH=. python benchmarks/peer_profile.py --engine ours MODEL_DIR [--quantization fp8]
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=<vllm site>:. python benchmarks/peer_profile.py --engine vllm \\
+        MODEL_DIR [--quantization fp8] [--dummy-range 0.035]
+
+Both engines load `load_format="dummy"` weights (MODEL_DIR holds config.json). The standard workload (256
+requests, bench.make_workload, ignore_eos, T 0.6) is timed once; then the same 256 prompts run with 24 output
+tokens (their prompts now cached) and again, one token longer each, under torch.profiler: the table lists the
+kernels by GPU time, with calls and time a call.
+
+--dummy-range (vLLM only): vLLM draws dummy weights uniform in [-1e-3, 1e-3], norm weights included, and
+with them a mixture-of-experts router sends every token to the same few experts (its grouped GEMMs then read a
+fraction of the experts' bytes). Ours draws N(0, 0.02) matrices and unit norms, whose routing spreads over
+all experts. Uniform in [-0.035, 0.035] (std 0.02) gives vLLM the same spread, so both do the same work.
+vLLM's engine must run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) for the profiler to see it.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+from time import perf_counter
+
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import make_workload  # noqa: E402
+
+PROFILED_TOKENS = 24
+
+
+def widen_vllm_dummy_weights(bound: float) -> None:
+    """vLLM's initialize_dummy_weights with uniform(-bound, bound) in place of its default range."""
+    import vllm.model_executor.model_loader.dummy_loader as dummy_loader
+    import vllm.model_executor.model_loader.weight_utils as weight_utils
+    original = weight_utils.initialize_dummy_weights
+
+    def widened(model, *args, **kwargs):
+        kwargs.pop("low", None)
+        kwargs.pop("high", None)
+        return original(model, *args, low=-bound, high=bound, **kwargs)
+
+    weight_utils.initialize_dummy_weights = widened
+    if hasattr(dummy_loader, "initialize_dummy_weights"):
+        dummy_loader.initialize_dummy_weights = widened
+
+
+def engine(name: str, model: str, quantization: str | None):
+    """(generate(prompts, max_tokens list, temperature) -> output token count, exit)."""
+    if name == "ours":
+        from nanovllm import LLM, SamplingParams
+        llm = LLM(model, load_format="dummy", quantization=quantization, max_model_len=16384)
+
+        def generate(prompts, max_tokens, temperature):
+            params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+            return sum(len(out["token_ids"]) for out in llm.generate(prompts, params, use_tqdm=False))
+        return generate, llm.exit
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model, load_format="dummy", quantization=quantization, max_model_len=16384, enforce_eager=False)
+
+    def generate(prompts, max_tokens, temperature):
+        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return sum(len(out.outputs[0].token_ids) for out in outs)
+    return generate, lambda: None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--engine", choices=("ours", "vllm"), required=True)
+    parser.add_argument("--quantization", choices=("fp8",), default=None)
+    parser.add_argument("--dummy-range", type=float, default=None, help="vLLM: dummy weights uniform(-x, x)")
+    parser.add_argument("--rows", type=int, default=25, help="kernels listed")
+    args = parser.parse_args()
+    if args.dummy_range is not None:
+        if args.engine != "vllm":
+            parser.error("--dummy-range applies to vLLM's dummy weights")
+        widen_vllm_dummy_weights(args.dummy_range)
+    generate, exit_engine = engine(args.engine, args.model, args.quantization)
+    workload = make_workload(256, 1024, 1024, seed=0)
+    generate(workload.prompts[:2], [16, 16], 0.6)                       # warm-up
+    start = perf_counter()
+    tokens = generate(workload.prompts, workload.max_tokens, 0.6)
+    elapsed = perf_counter() - start
+    print(json.dumps(dict(engine=args.engine, workload="standard", seconds=elapsed, output_tokens=tokens,
+                          output_tok_per_s=tokens / elapsed)), flush=True)
+    short = [PROFILED_TOKENS] * len(workload.prompts)
+    generate(workload.prompts, short, 0.6)                              # every prompt now in the prefix cache
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = perf_counter()
+        generate([prompt + [7] for prompt in workload.prompts], short, 0.6)
+        elapsed = perf_counter() - start
+    exit_engine()
+    events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in events)
+    print(f"profiled: {elapsed:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s: 256 cached prompts + 1 token each, "
+          f"{PROFILED_TOKENS} output tokens")
+    print(f"{'GPU ms':>10} {'calls':>7} {'us/call':>9}  kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
+        print(f"{e.self_device_time_total / 1e3:10.2f} {e.count:7d} {e.self_device_time_total / e.count:9.2f}  "
+              f"{e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
