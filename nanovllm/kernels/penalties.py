@@ -11,10 +11,11 @@ row whose three weights are all no-ops returns at once.
 
 The arithmetic is the torch reference's (nanovllm.layers.logits_processor.apply_penalties), operation
 for operation in float32: repetition over the tokens in the prompt or the output (logit > 0: divided
-by r, else multiplied by r; an IEEE-rounded division, as torch's), then minus (f * count + p * (count
-> 0)), rounded to the logits' dtype at the end. No fused multiply-adds (each product an explicit mul.rn), so on the GPU results
-are the reference's bit for bit, float32 and bfloat16 logits alike (Triton's CPU interpreter rounds
-float32 to bfloat16 toward zero: one bfloat16 ulp off at most there).
+by r, else multiplied by r; an IEEE-rounded division, as torch's on the CPU), then minus (f * count + p * (count
+> 0)), rounded to the logits' dtype at the end. No fused multiply-adds (each product an explicit mul.rn), so the
+results are IEEE float32 arithmetic's, as the reference computes it on the CPU (Triton's CPU interpreter rounds
+float32 to bfloat16 toward zero: one bfloat16 ulp off at most there). On an H100 the kernel differed from
+torch's CUDA path in the last bit (the GPU test now holds it to the CPU's arithmetic, the CUDA path within an ulp).
 
 `count_tokens` adds 1 at (state_rows[i], token_ids[i]): one program a row, one atomic add, in place of
 index_put_(accumulate=True)'s sort and launches.

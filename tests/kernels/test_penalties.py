@@ -1,5 +1,5 @@
-"""Triton penalties (in place, reading the state tables by row) against a plain-torch definition and
-bit for bit against the torch path they replace on the GPU; the count kernel against index_put_
+"""Triton penalties (in place, reading the state tables by row) against a plain-torch definition, bit for
+bit (on the GPU against the CPU's float32 arithmetic; torch's CUDA path within an ulp); the count kernel against index_put_
 (interpreter on CPU, also the full vocabulary on CUDA)."""
 import pytest
 import torch
@@ -56,7 +56,7 @@ def scenario(vocab: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [256, 1024])
-def test_kernel_matches_the_definition_and_the_torch_path_bit_for_bit(vocab, dtype, block):
+def test_kernel_matches_the_definition_bit_for_bit(vocab, dtype, block):
     logits, rows, state_rows, prompt_mask, counts, weights, args = scenario(vocab, dtype)
     tables = (prompt_mask.clone(), counts.clone())
     ours = logits.clone()
@@ -65,7 +65,16 @@ def test_kernel_matches_the_definition_and_the_torch_path_bit_for_bit(vocab, dty
     logits_processor.apply_penalties(torch_path, *args)
     expected = definition(logits, rows, state_rows, prompt_mask, counts, weights)
     assert torch.equal(torch_path, expected)
-    if dtype == torch.float32 or CUDA:
+    if CUDA:
+        # the kernel divides as IEEE float32 does (div.rn), as the CPU does; on an H100 (2026-11-26) it
+        # differed from torch's CUDA path in the last bit: it is held to the CPU's arithmetic exactly,
+        # and to torch's CUDA path within a unit in the last place
+        on_cpu = definition(logits.cpu(), rows, state_rows, prompt_mask.cpu(), counts.cpu(), weights)
+        assert torch.equal(ours.cpu(), on_cpu)
+        assert torch.equal(ours.cpu().float().signbit(), on_cpu.float().signbit())
+        ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -8
+        torch.testing.assert_close(ours.float(), torch_path.float(), rtol=ulp, atol=0.0)
+    elif dtype == torch.float32:
         assert torch.equal(ours, torch_path)
         assert torch.equal(ours.float().signbit(), torch_path.float().signbit())
     else:
