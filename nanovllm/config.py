@@ -27,7 +27,7 @@ CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, i
 REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 SPECULATIVE_METHODS = ("ngram",)                    # speculative_config["method"]: what runs today
 SPECULATIVE_METHODS_TO_COME = ("draft_model", "eagle3")     # vLLM's names, refused until they are implemented
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -75,7 +75,9 @@ class Config:
                                         # FP8 weights quantized online; a quantized checkpoint needs none
     reasoning_parser: str | None = None     # "qwen3" or "deepseek_r1": structured outputs start after the thinking
     # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-    # "prompt_lookup_min": 2}; checked and completed (the lookup bounds' defaults filled in) here
+    # "prompt_lookup_min": 2}; checked and completed (the lookup bounds' defaults filled in) here. Ours beside them:
+    # "adaptive" (default True): speculate only where it measures faster (engine/spec_decode.py's
+    # SpeculationPolicy); False: on every decode step
     speculative_config: dict | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_method: QuantizationMethod = field(init=False, default=None)   # layers/quantization; set when checked
@@ -166,6 +168,9 @@ class Config:
         if lookup_min > lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lookup_min}) must be <= "
                              f"prompt_lookup_max ({lookup_max})")
+        checked["adaptive"] = spec.get("adaptive", True)
+        if not isinstance(checked["adaptive"], bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {checked['adaptive']!r}")
         self.speculative_config = checked
 
     def _resolve_device(self) -> None:

@@ -28,6 +28,7 @@ class LLMEngine:
         self._exited = True
         self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
+        self._pipelined = self._drained = False     # speculative decoding: the last step's mode, a drain just done
         self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
         self.updates: list[CompletionUpdate] = []     # what the last step's collected tokens told each completion
         config = Config(model, **kwargs)
@@ -147,8 +148,26 @@ class LLMEngine:
             raise
 
     def _step_and_collect(self) -> tuple[list[Sequence], int]:
-        if self.spec_decode is not None:
-            return self._step_in_lockstep()
+        if self.spec_decode is None:
+            return self._pipelined_step()
+        speculate = self._drained or self.spec_decode.policy.speculate(len(self.scheduler.running))
+        self._drained = False
+        if speculate and self._in_flight is not None:      # drafts need every token so far: collect first
+            previous, self._in_flight = self._in_flight, None
+            self.updates = []
+            self._drained = True        # the next step speculates, as decided here
+            return self._collect(previous), 0
+        was_pipelined, self._pipelined = self._pipelined, not speculate
+        accepted_before = self.spec_decode.num_accepted_tokens
+        start = perf_counter()
+        finished, num_tokens = self._step_in_lockstep() if speculate else self._pipelined_step()
+        # a decode step's tokens a second, for the policy (a pipelined step that collected nothing is not one)
+        if num_tokens < 0 and (speculate or was_pipelined):
+            emitted = -num_tokens + self.spec_decode.num_accepted_tokens - accepted_before
+            self.spec_decode.policy.record(-num_tokens, speculate, emitted, perf_counter() - start)
+        return finished, num_tokens
+
+    def _pipelined_step(self) -> tuple[list[Sequence], int]:
         seqs, is_prefill = self.scheduler.schedule()
         launched, num_tokens, constrained = None, 0, False
         if seqs:

@@ -15,14 +15,52 @@
    is overwritten when the token really there is computed, next step.
 
 The step is collected before the next one is scheduled (the accepted counts decide where the next step
-writes, and the next drafts come from the tokens just accepted), so with speculation on the engine runs
-every step in lockstep, without the one-step pipelining of plain decoding.
+writes, and the next drafts come from the tokens just accepted), so a speculating engine runs its steps in
+lockstep, without the one-step pipelining of plain decoding. Whether it speculates is SpeculationPolicy's
+call, by measurement: per decode batch size, the tokens a second each mode has given, so that speculation
+switches itself off where it does not pay (large batches, text that n-gram lookup cannot predict) and
+back on where it does. Outputs do not depend on the choice: greedy tokens are the same either way, and a
+seeded request draws with keys of its own positions.
 """
 from nanovllm.config import Config
 from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_outputs import record_logprobs
+
+
+class SpeculationPolicy:
+    """Speculate or decode plainly, per decode batch size (bucketed to powers of two): whichever mode has
+    given more tokens a second there (an exponential average of the engine's steps: tokens emitted over the
+    step's wall time), the unmeasured one first (speculation before plain decoding), and the other mode every
+    `retry_every`-th step of the bucket, so that an estimate never goes stale. Not adaptive: always."""
+
+    def __init__(self, adaptive: bool = True, retry_every: int = 64, weight: float = 0.2):
+        self.adaptive, self.retry_every, self.weight = adaptive, retry_every, weight
+        self.rates: dict[tuple[int, bool], float] = {}     # (bucket, speculated) -> tokens a second
+        self.steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, batch_size - 1).bit_length()
+
+    def speculate(self, batch_size: int) -> bool:
+        if not self.adaptive:
+            return True
+        bucket = self.bucket(batch_size)
+        count = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        spec, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if spec is None or plain is None:
+            return spec is None
+        return (spec >= plain) != (count % self.retry_every == 0)
+
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode step's figures: its batch, its mode, the tokens it emitted, its wall time."""
+        if seconds <= 0:
+            return
+        key, rate = (self.bucket(batch_size), speculated), tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + self.weight * (rate - old)
 
 
 class SpeculativeDecoding:
@@ -36,6 +74,7 @@ class SpeculativeDecoding:
         self.block_manager = scheduler.block_manager
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.policy = SpeculationPolicy(spec["adaptive"])
         self.num_drafts = 0             # (sequence, step) pairs verified with at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -46,7 +46,7 @@ def test_speculative_verification_compiles_nothing_after_start_up(make_checkpoin
     proposer is made to draft every step (a random model rarely repeats what n-gram lookup would find)."""
     import triton
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     compiled = []
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
         llm.spec_decode.proposer.propose = lambda seqs, room: [[seq.last_token] * max(0, min(3, r))

@@ -25,8 +25,9 @@ PROMPTS = REPEATING + RANDOM
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def ngram(k: int, lookup_min: int = 1, lookup_max: int = 3) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+def ngram(k: int, lookup_min: int = 1, lookup_max: int = 3, adaptive: bool = False) -> dict:
+    """Speculation on every decode step unless adaptive (these tests are about its mechanics)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max, "adaptive": adaptive,
             "prompt_lookup_min": lookup_min}
 
 
@@ -298,3 +299,37 @@ def test_structured_outputs_are_refused_with_speculation(spec3):
     with pytest.raises(ValueError, match="speculative"):
         spec3.add_checked_request([1, 2, 3], params)
     assert_idle(spec3)
+
+
+# ---- the adaptive policy: speculation where it measures faster ----------------------------------------------
+def test_the_policy_speculates_where_it_measures_faster_and_retries_the_other_mode():
+    from nanovllm.engine.spec_decode import SpeculationPolicy
+    policy = SpeculationPolicy(retry_every=4)
+    assert policy.speculate(3)                  # nothing measured: speculation first
+    policy.record(3, True, tokens=12, seconds=1.0)
+    assert not policy.speculate(4)              # batch 4 is bucket 4 too (its 2nd step): plain decoding's turn
+    policy.record(4, False, tokens=4, seconds=0.5)      # 8 tokens a second against speculation's 12
+    decisions = [policy.speculate(4) for _ in range(8)]
+    assert decisions.count(False) == 2 and decisions[1] is False    # the bucket's 4th and 8th steps retry
+    policy.record(3, True, tokens=1, seconds=1.0)       # speculation falls to 12 + 0.2 * (1 - 12) = 9.8
+    policy.record(3, True, tokens=1, seconds=1.0)       # ... and to 8.04: still ahead of 8
+    assert policy.speculate(4) is True
+    policy.record(3, True, tokens=1, seconds=1.0)       # 6.63: plain decoding is faster now
+    assert [policy.speculate(4) for _ in range(3)] == [True, False, False]     # the 12th step retries
+    assert policy.speculate(64) is True         # another bucket: measured on its own
+    assert SpeculationPolicy(adaptive=False).speculate(1000)
+
+
+def test_switching_modes_between_steps_gives_plain_decodings_tokens(tiny_model, greedy_reference, plain):
+    """An adaptive engine made to alternate (speculation, plain pipelined steps, speculation after
+    collecting the step in flight): greedy and seeded outputs are plain decoding's, nothing left behind."""
+    with engine(tiny_model, ngram(3, adaptive=True)) as llm:
+        turns = iter([True, True, False, False, False] * 1000)
+        llm.spec_decode.policy.speculate = lambda batch_size: next(turns)
+        before = llm.stats
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(greedy_reference)
+        assert drafted(llm, before)[1] > 0
+        params = SamplingParams(n=2, max_tokens=30, ignore_eos=True, temperature=0.9, seed=5)
+        assert tokens(llm.generate(PROMPTS, params, use_tqdm=False)) == tokens(plain.generate(PROMPTS, params,
+                                                                                             use_tqdm=False))
+        assert_idle(llm)

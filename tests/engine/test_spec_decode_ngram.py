@@ -15,7 +15,7 @@ from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
 
 def ngram(k: int, lookup_min: int, lookup_max: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
-            "prompt_lookup_min": lookup_min}
+            "prompt_lookup_min": lookup_min, "adaptive": True}
 
 
 @pytest.mark.parametrize("context, k, lookup, draft", [
@@ -57,6 +57,7 @@ def test_the_proposer_caps_each_sequence_and_follows_it_as_it_grows():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, r"unknown key\(s\) \['model'\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be true or false"),
 ])
 def test_a_bad_speculative_config_is_refused_by_name(tiny_model, config, words):
     with pytest.raises(ValueError, match=words):

@@ -12,7 +12,8 @@ PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [300 + i % 7 for i in r
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
           SamplingParams(n=2, temperature=0.3, repetition_penalty=1.1, frequency_penalty=0.05, seed=5,
                          max_tokens=24, ignore_eos=True)]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
 
 
 def test_tp2_with_drafts_gives_the_tokens_of_one_rank_without(make_checkpoint):
