@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8_gemm import _FP8_MAX, _MIN_AMAX, _to_e4m3
+from nanovllm.kernels.pointwise import rms_norm_row, silu_and_mul_cols
 
 MAX_BLOCK = 16384       # widest row a program holds in registers (wider rows: two passes)
 
@@ -59,15 +60,8 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residu
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < width
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    if ADD:
-        x += tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(residual_out_ptr + row * stride_r_out + cols, x.to(dtype), mask=ok)
-    r = tl.rsqrt(tl.sum(x * x, 0) / width + eps)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = ((x * r).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
+                     stride_r_out, ADD, BLOCK).to(tl.float32)
     q_ptrs = q_ptr + row * stride_q + cols
     if GROUP_SIZE == 0:
         scale = _row_scale(tl.abs(y))
@@ -80,14 +74,8 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residu
 
 
 @triton.jit
-def _gated(x_ptr, cols, ok, width):
-    """SiLU(gate) * up for the columns `cols` of the row at x_ptr, rounded as pointwise's kernel rounds it."""
-    gate = tl.load(x_ptr + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + width + cols, mask=ok, other=0.0)
-    dtype = gate.dtype
-    gate = gate.to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype).to(tl.float32)
+def _gated(x_row_ptr, cols, ok, width):
+    return silu_and_mul_cols(x_row_ptr, cols, ok, width).to(tl.float32)
 
 
 @triton.jit

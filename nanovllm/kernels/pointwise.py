@@ -14,16 +14,23 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_and_mul_cols(x_row_ptr, cols, ok, width):
+    """SiLU(gate) * up at columns `cols` of the row at x_row_ptr (gate, then up, each `width` wide), in the
+    row's dtype, each stage rounded to it (also nanovllm.kernels.fp8_activations' first stage)."""
+    gate = tl.load(x_row_ptr + cols, mask=ok, other=0.0)
+    up = tl.load(x_row_ptr + width + cols, mask=ok, other=0.0)
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + width + cols, mask=ok, other=0.0)
-    dtype = gate.dtype
-    gate = gate.to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(dtype), mask=ok)
+    tl.store(out_ptr + row * stride_out + cols, silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -40,9 +47,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, width, eps,
-                     stride_x, stride_r, stride_out, stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
+                 stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `row` of x (plus the residual's, that sum stored to residual_out, with ADD) normalized and times the
+    weight, in x's dtype, the normalized value rounded to it first ([BLOCK], zero past `width`; also
+    nanovllm.kernels.fp8_activations' first stage)."""
     cols = tl.arange(0, BLOCK)
     ok = cols < width
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -53,7 +62,17 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         tl.store(residual_out_ptr + row * stride_r_out + cols, x.to(dtype), mask=ok)
     r = tl.rsqrt(tl.sum(x * x, 0) / width + eps)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, ((x * r).to(dtype).to(tl.float32) * w).to(dtype), mask=ok)
+    return ((x * r).to(dtype).to(tl.float32) * w).to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, width, eps,
+                     stride_x, stride_r, stride_out, stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
+                     stride_r_out, ADD, BLOCK)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=cols < width)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
