@@ -4,6 +4,7 @@ time goes, kernel by kernel, on the same prompts.
     PYTHONPATH=. python benchmarks/peer_profile.py --engine ours MODEL_DIR [--quantization fp8]
     VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=<vllm site>:. python benchmarks/peer_profile.py --engine vllm \\
         MODEL_DIR [--quantization fp8] [--dummy-range 0.035]
+    ... [--structured-outputs json-records] [--no-profile]     # issue #39's side by side (xgrammar in both)
 
 Both engines load `load_format="dummy"` weights (MODEL_DIR holds config.json). The standard workload (256
 requests, bench.make_workload, ignore_eos, T 0.6) is timed once; then the same 256 prompts run with 24 output
@@ -26,7 +27,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import make_workload  # noqa: E402
+from bench import STRUCTURED_PRESETS, make_workload  # noqa: E402
 
 PROFILED_TOKENS = 24
 
@@ -47,22 +48,30 @@ def widen_vllm_dummy_weights(bound: float) -> None:
         dummy_loader.initialize_dummy_weights = widened
 
 
-def engine(name: str, model: str, quantization: str | None):
-    """(generate(prompts, max_tokens list, temperature) -> output token count, exit)."""
+def engine(name: str, model: str, quantization: str | None, structured: dict | None = None):
+    """(generate(prompts, max_tokens list, temperature) -> output token count, exit). `structured`: every
+    request under these StructuredOutputsParams fields (vLLM's names in both engines)."""
     if name == "ours":
         from nanovllm import LLM, SamplingParams
         llm = LLM(model, load_format="dummy", quantization=quantization, max_model_len=16384)
+        extra = {} if structured is None else {"structured_outputs": structured}
 
         def generate(prompts, max_tokens, temperature):
-            params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+            params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, **extra)
+                      for m in max_tokens]
             return sum(len(out["token_ids"]) for out in llm.generate(prompts, params, use_tqdm=False))
         return generate, llm.exit
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     llm = LLM(model, load_format="dummy", quantization=quantization, max_model_len=16384, enforce_eager=False)
+    extra = {}
+    if structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+        extra = {"structured_outputs": StructuredOutputsParams(**structured)}
 
     def generate(prompts, max_tokens, temperature):
-        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, **extra)
+                  for m in max_tokens]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return sum(len(out.outputs[0].token_ids) for out in outs)
     return generate, lambda: None
@@ -75,19 +84,28 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None)
     parser.add_argument("--dummy-range", type=float, default=None, help="vLLM: dummy weights uniform(-x, x)")
     parser.add_argument("--rows", type=int, default=25, help="kernels listed")
+    parser.add_argument("--structured-outputs", metavar="PRESET|JSON",
+                        help=f"every request under a schema: {', '.join(STRUCTURED_PRESETS)} or the fields as JSON")
+    parser.add_argument("--no-profile", action="store_true", help="the timed workload only")
     args = parser.parse_args()
     if args.dummy_range is not None:
         if args.engine != "vllm":
             parser.error("--dummy-range applies to vLLM's dummy weights")
         widen_vllm_dummy_weights(args.dummy_range)
-    generate, exit_engine = engine(args.engine, args.model, args.quantization)
+    structured = None
+    if args.structured_outputs:
+        structured = STRUCTURED_PRESETS.get(args.structured_outputs) or json.loads(args.structured_outputs)
+    generate, exit_engine = engine(args.engine, args.model, args.quantization, structured)
     workload = make_workload(256, 1024, 1024, seed=0)
     generate(workload.prompts[:2], [16, 16], 0.6)                       # warm-up
     start = perf_counter()
     tokens = generate(workload.prompts, workload.max_tokens, 0.6)
     elapsed = perf_counter() - start
-    print(json.dumps(dict(engine=args.engine, workload="standard", seconds=elapsed, output_tokens=tokens,
-                          output_tok_per_s=tokens / elapsed)), flush=True)
+    print(json.dumps(dict(engine=args.engine, workload="standard", structured_outputs=args.structured_outputs,
+                          seconds=elapsed, output_tokens=tokens, output_tok_per_s=tokens / elapsed)), flush=True)
+    if args.no_profile:
+        exit_engine()
+        return
     short = [PROFILED_TOKENS] * len(workload.prompts)
     generate(workload.prompts, short, 0.6)                              # every prompt now in the prefix cache
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
