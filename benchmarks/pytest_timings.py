@@ -2,7 +2,7 @@
 that is cut off (a time limit, a lost machine) still says where its time went and what failed so far; pytest's
 own --durations prints only at the end.
 
-    PYTHONPATH=benchmarks:$PYTHONPATH TEST_TIMINGS=/tmp/timings.txt python -m pytest -q tests -p test_timings
+    PYTHONPATH=benchmarks:$PYTHONPATH TEST_TIMINGS=/tmp/timings.txt python -m pytest -q tests -p pytest_timings
     sort -rn /tmp/timings.txt | head -30          # the slowest phases
 
 A line: seconds, phase (setup, call, teardown), outcome, test id. Calls are always written; setups and
