@@ -199,7 +199,7 @@ class Server:
     ENGINE_ARGS = SERVER_ENGINE_ARGS
 
     def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None,
-                 slow: bool = False, threads: int | None = None):
+                 threads: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -213,9 +213,6 @@ class Server:
         env["PYTHONUNBUFFERED"] = "1"
         if threads is not None:     # torch's threads in the server's processes (its engine's included)
             env["OMP_NUM_THREADS"] = str(threads)
-        if slow:    # attention through Triton's interpreter: steps of tens of milliseconds, so a request
-            env["TRITON_INTERPRET"] = "1"   # is still running when a test acts on it (the plain one is done
-            args += ["--attention-backend", "triton"]   # with 480 tokens in ~80 ms)
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 
@@ -287,10 +284,23 @@ def server(tiny_model, tmp_path_factory):
     server.stop()
 
 
+# A model whose CPU decode steps take tens of milliseconds, not the tiny one's tens of microseconds: a
+# request of a few hundred tokens is still running when a test acts on it (the tiny model is done with 480
+# tokens in ~80 ms). Its size, not Triton's interpreter (an earlier way to slow steps), so that it holds with
+# any Triton: the GPU machine's Triton 3.6 interpreter cannot run the attention kernels.
+SLOW_MODEL_SHAPE = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
+                        num_key_value_heads=4, head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def slow_model(make_checkpoint):
+    return make_checkpoint(**SLOW_MODEL_SHAPE)
+
+
 @pytest.fixture(scope="module")
-def slow_server(tiny_model, tmp_path_factory):
-    """A server whose steps are slow enough to leave a request mid-way (see Server's `slow`)."""
-    server = Server(tiny_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("slow") / "server.log", slow=True)
+def slow_server(slow_model, tmp_path_factory):
+    """A server whose steps are slow enough to leave a request mid-way (SLOW_MODEL_SHAPE)."""
+    server = Server(slow_model, SERVER_ENGINE_ARGS, tmp_path_factory.mktemp("slow") / "server.log")
     yield server
     server.stop()
 
@@ -304,13 +314,14 @@ def keyed_server(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture
-def start_server(tiny_model, tmp_path):
+def start_server(tiny_model, tmp_path, request):
     """start(engine_args=SERVER_ENGINE_ARGS, slow=False) -> a server of this test's own on the tiny
-    checkpoint (a test that kills or loads it), stopped after the test."""
+    checkpoint (slow: SLOW_MODEL_SHAPE's; a test that kills or loads it), stopped after the test."""
     servers = []
 
     def start(engine_args: list[str] = SERVER_ENGINE_ARGS, slow: bool = False) -> Server:
-        servers.append(Server(tiny_model, engine_args, tmp_path / f"server{len(servers)}.log", slow=slow))
+        model = request.getfixturevalue("slow_model") if slow else tiny_model
+        servers.append(Server(model, engine_args, tmp_path / f"server{len(servers)}.log"))
         return servers[-1]
     yield start
     for server in servers:

@@ -184,12 +184,9 @@ def stream_then_leave(server, body: dict, chunks: int, before: float) -> float:
     up to 2 s, the stream still open)."""
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
-        seen = 0
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                seen += 1
-                if seen == chunks:
-                    break
+        lines, seen = response.iter_lines(), 0
+        while seen < chunks:        # next(), not a for loop's break: that would close the stream at once
+            seen += next(lines).startswith("data: ")
         deadline = time.monotonic() + 2.0
         while (used := metrics(server)["nanovllm:kv_cache_used_blocks"]) <= before and time.monotonic() < deadline:
             time.sleep(0.05)
