@@ -119,13 +119,17 @@ class BlockManager:
                 del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = -1, []
 
+    def _release(self, block_id: int) -> None:
+        """One reference to the block fewer; the last one frees it (its hash stays: a later hit revives it)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.used_block_ids.remove(block_id)
+            self.free_block_ids.append(block_id)
+
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.used_block_ids.remove(block_id)
-                self.free_block_ids.append(block_id)
+            self._release(block_id)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
@@ -151,11 +155,9 @@ class BlockManager:
         """Free the blocks past seq's tokens that reserve_lookahead gave it (they hold rejected drafts'
         KV only, and were never hashed)."""
         while len(seq.block_table) > seq.num_blocks:
-            block = self.blocks[seq.block_table.pop()]
-            assert block.ref_count == 1 and block.hash == -1
-            block.ref_count = 0
-            self.used_block_ids.remove(block.block_id)
-            self.free_block_ids.append(block.block_id)
+            block_id = seq.block_table.pop()
+            assert self.blocks[block_id].ref_count == 1 and self.blocks[block_id].hash == -1
+            self._release(block_id)
 
     def can_fork(self, seq: Sequence, num_children: int) -> bool:
         """Whether num_children completions split off seq can each get a copy of its partial last block."""

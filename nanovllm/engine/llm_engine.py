@@ -167,18 +167,23 @@ class LLMEngine:
             self.spec_decode.policy.record(-num_tokens, speculate, emitted, perf_counter() - start)
         return finished, num_tokens
 
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, constrained: bool = False) -> tuple[tuple, int]:
+        """Run one scheduled step on every rank: (what _collect takes, the tokens launched: positive for
+        prefill, negative for decode). `constrained`: the forward pass only, sampled once the masks are known."""
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
+        sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
+                             prompt_rows, constrained)
+        self._ended_seq_ids = []
+        return (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows]), num_tokens
+
     def _pipelined_step(self) -> tuple[list[Sequence], int]:
         seqs, is_prefill = self.scheduler.schedule()
         launched, num_tokens, constrained = None, 0, False
         if seqs:
-            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-            prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
             # constrained sequences: the forward pass now, the sampling once the masks are known (below)
             constrained = any(seq.grammar is not None for seq in seqs)
-            sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
-                                 prompt_rows, constrained)
-            self._ended_seq_ids = []
-            launched = (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows])
+            launched, num_tokens = self._launch(seqs, is_prefill, constrained)
         elif self._in_flight is None:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         previous, self._in_flight = self._in_flight, launched
@@ -198,12 +203,7 @@ class LLMEngine:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         drafts = None if is_prefill else self.spec_decode.propose(seqs)
         if drafts is None or not any(drafts):
-            num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-            prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
-            sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
-                                 prompt_rows)
-            self._ended_seq_ids = []
-            launched = (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows])
+            launched, num_tokens = self._launch(seqs, is_prefill)
             return self._collect(launched), num_tokens
         sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids)
         self._ended_seq_ids = []

@@ -105,9 +105,7 @@ class Sampler(nn.Module):
         if tensors.logits_rows is not None:
             logits = logits[tensors.logits_rows]
         on_kernels = self._on_kernels(logits)
-        if tensors.token_bitmask is not None:
-            mask = apply_token_bitmask if on_kernels else apply_token_bitmask_reference
-            mask(logits, *tensors.token_bitmask)
+        self._mask(logits, tensors, on_kernels)
         raw = logits
         edits = tensors.penalties is not None or tensors.banned is not None
         num_top = tensors.max_logprobs
@@ -133,6 +131,13 @@ class Sampler(nn.Module):
         return output
 
     @staticmethod
+    def _mask(logits: torch.Tensor, tensors: SamplingTensors, on_kernels: bool) -> None:
+        """Structured outputs' token masks, in place: -inf where a row's grammar forbids the token."""
+        if tensors.token_bitmask is not None:
+            mask = apply_token_bitmask if on_kernels else apply_token_bitmask_reference
+            mask(logits, *tensors.token_bitmask)
+
+    @staticmethod
     def _edit(logits: torch.Tensor, tensors: SamplingTensors, on_kernels: bool) -> None:
         """Penalties, then banned tokens, in place."""
         if tensors.penalties is not None:
@@ -152,8 +157,7 @@ class Sampler(nn.Module):
             logits = logits[tensors.logits_rows]
         logits = logits.clone()
         on_kernels = self._on_kernels(logits)
-        if tensors.token_bitmask is not None:
-            (apply_token_bitmask if on_kernels else apply_token_bitmask_reference)(logits, *tensors.token_bitmask)
+        self._mask(logits, tensors, on_kernels)
         self._edit(logits, tensors, on_kernels)
         x = logits.float() if tensors.top_k is None else keep_at_least(logits, self._thresholds(logits, tensors))
         greedy = tensors.temperatures == 0
