@@ -11,6 +11,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from benchmarks.random_checkpoint import QWEN3_0_6B, QWEN3_30B_A3B
+from compilations import assert_none_compiled, recorded_compilations
 from teacher_forcing import compare, forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -42,18 +43,13 @@ def report(what, fp8, bf16):
 
 def exercise_without_compiling(llm):
     """Requests of every batch size class and prompt length after start-up: nothing may compile."""
-    import triton
-    compiled = []
-    triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
-    try:
+    with recorded_compilations() as compiled:
         prompts = random_prompts(40, seed=11, lengths=(1, 1000))
         for options in (dict(temperature=0.0), dict(temperature=0.6, top_p=0.95, top_k=20)):
             for batch in (prompts[:1], prompts[:3], prompts[:40]):
                 llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
         forced_logprobs(llm, *positions(), use_graphs=False, num_forced=4)    # eager decode of 8 rows
-    finally:
-        triton.knobs.runtime.jit_cache_hook = None
-    assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
+    assert_none_compiled(compiled)
 
 
 def torch_path(method, layer, x, bias):

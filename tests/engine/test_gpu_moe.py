@@ -6,6 +6,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from benchmarks.random_checkpoint import QWEN3_30B_A3B
+from compilations import assert_none_compiled, recorded_compilations
 from oracle import load_hf_model
 from teacher_forcing import NUM_FORCED, compare, forced_logprobs, hf_forced_logprobs, random_prompts
 
@@ -90,13 +91,8 @@ def test_cuda_graph_decode_matches_eager(llm):
 def test_no_request_compiles_a_kernel_after_start_up(llm):
     """Batches of 1 to 200 sequences and prompts of 1 to 1,000 tokens reach every token-count bucket of the
     MoE kernels, in prefill and in decode."""
-    import triton
-    compiled = []
-    triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
-    try:
+    with recorded_compilations() as compiled:
         prompts = random_prompts(200, seed=11, lengths=(1, 1000))
         for batch in (prompts[:1], prompts[1:4], prompts[4:24], prompts[24:200]):
             llm.generate(batch, SamplingParams(temperature=0.6, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    finally:
-        triton.knobs.runtime.jit_cache_hook = None
-    assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
+    assert_none_compiled(compiled)

@@ -6,6 +6,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from benchmarks.random_checkpoint import QWEN3_0_6B
+from compilations import assert_none_compiled, recorded_compilations
 from teacher_forcing import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,40 +25,30 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=0.6), dict(temperature=0.6, 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_no_request_compiles_a_kernel_after_start_up(make_checkpoint, kv_cache_dtype):
-    import triton
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
-    compiled = []
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, kv_cache_dtype=kv_cache_dtype) as llm:
-        triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
-        try:
+        with recorded_compilations() as compiled:
             prompts = random_prompts(40, seed=11, lengths=(1, 1500))
             for i, options in enumerate(SETTINGS):
                 for batch in (prompts[i:i + 1], prompts[:3], prompts[:40]):     # lone, small, large batches
                     llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["num_prefix_cache_hit_tokens"] > 0     # the paged prefill path ran too
-        finally:
-            triton.knobs.runtime.jit_cache_hook = None
-    assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
+    assert_none_compiled(compiled)
 
 
 def test_speculative_verification_compiles_nothing_after_start_up(make_checkpoint):
     """A verification step (a sequence's last token and its drafts in one pass over its cached KV) reaches
     the paged prefill kernels and the sampler with many rows a sequence: all compiled at start-up too. The
     proposer is made to draft every step (a random model rarely repeats what n-gram lookup would find)."""
-    import triton
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-    compiled = []
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
         llm.spec_decode.proposer.propose = lambda seqs, room: [[seq.last_token] * max(0, min(3, r))
                                                                for seq, r in zip(seqs, room)]
-        triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
-        try:
+        with recorded_compilations() as compiled:
             prompts = random_prompts(40, seed=12, lengths=(1, 1500))
             for options in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, logprobs=2)):
                 for batch in (prompts[:1], prompts[:3], prompts[:40]):
                     llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["spec_decode_draft_tokens"] > 0
-        finally:
-            triton.knobs.runtime.jit_cache_hook = None
-    assert not compiled, f"compiled after start-up: {sorted({name for name, _ in compiled})}: {compiled[:3]}"
+    assert_none_compiled(compiled)

@@ -9,6 +9,7 @@ FP8 arithmetic (nanovllm.layers.quantization.fp8's torch path, expert by expert)
 import pytest
 import torch
 
+from compilations import assert_none_compiled, recorded_compilations
 from nanovllm.kernels import fused_moe as kernels
 from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, config_token_counts, group_pairs
 from nanovllm.layers import fused_moe as oracle
@@ -339,7 +340,6 @@ def test_gpu_cuda_graph_replay(qwen_experts, scheme):
 @pytest.mark.parametrize("scheme", ["none", "channel", "block"])
 def test_gpu_no_compilation_past_warm_up(qwen_experts, scheme):
     """After one call at each of config_token_counts(), no token count compiles another kernel variant."""
-    import triton
     w13, w2, s13, s2 = qwen_experts[scheme]
 
     def step(num_tokens):
@@ -348,11 +348,7 @@ def test_gpu_no_compilation_past_warm_up(qwen_experts, scheme):
         kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
     for t in config_token_counts(8, QWEN["num_experts"]):
         step(t)
-    compiled = []
-    triton.knobs.runtime.jit_cache_hook = lambda *, fn, key, **_: compiled.append((fn.name, key)) and False
-    try:
+    with recorded_compilations() as compiled:
         for t in (1, 2, 3, 16, 17, 32, 63, 64, 65, 100, 128, 512, 1000, 1024, 1500, 4096, 5000):
             step(t)
-    finally:
-        triton.knobs.runtime.jit_cache_hook = None
-    assert not compiled, f"compiled: {compiled[:3]}"
+    assert_none_compiled(compiled)
