@@ -371,7 +371,7 @@ def make_engine(args: argparse.Namespace, model: Path, max_model_len: int = MAX_
     from nanovllm import LLM, SamplingParams
 
     knobs = {name: getattr(args, name) for name in ENGINE_KNOBS if getattr(args, name) is not None}
-    llm = LLM(str(model), enforce_eager=args.enforce_eager, max_model_len=max_model_len, **knobs)
+    llm = LLM(str(model), device=args.device, enforce_eager=args.enforce_eager, max_model_len=max_model_len, **knobs)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     return llm
 
@@ -561,6 +561,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "36 layers, hidden 4096, 32 q / 8 kv heads, for tensor-parallel runs; qwen3-30b-a3b: "
                         "Qwen3-MoE, 48 layers of 128 experts, 8 per token, config.json only and the engine's "
                         "random weights (--load-format dummy), a tiny Qwen3-MoE on CPU)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="where the engine runs, and the scale of the "
+                        "defaults and workloads (default: cuda when a GPU is present, else cpu)")
     parser.add_argument("--num-seqs", type=int, help="number of requests (default: 256 on a GPU, 16 on CPU)")
     parser.add_argument("--max-input-len", type=int, help="prompt lengths are uniform in [100, this] "
                         "(lower bound this/2 below 200; default: 1024 on a GPU, 128 on CPU)")
@@ -620,7 +622,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(dummy; the floor then counts the parameters from the config); --shape qwen3-30b-a3b "
                         "forces dummy")
     args = parser.parse_args(argv)
-    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

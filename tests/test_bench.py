@@ -20,7 +20,9 @@ _spec.loader.exec_module(bench)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")     # the engine runs many steps (MoE's: 100x slower on two)
 
-TINY_RUN = ["--num-seqs", "4", "--max-input-len", "32", "--max-output-len", "8", "--seed", "3", "--json"]
+# --device cpu: these are CPU runs on a GPU box too (the CPU's float32 model, workloads and defaults)
+TINY_RUN = ["--device", "cpu", "--num-seqs", "4", "--max-input-len", "32", "--max-output-len", "8", "--seed", "3",
+            "--json"]
 
 
 def upstream_draw(num_seqs: int, max_input_len: int, max_output_len: int, seed: int):
@@ -190,6 +192,17 @@ def test_sampling_options_reach_the_engine_and_n_counts_every_completion(checkpo
     assert figures["total_tokens"] == 2 * sum(workload.max_tokens)
 
 
+def test_device_picks_the_engine_device_and_the_scale_of_the_defaults():
+    on_cpu = bench.parse_args(["--device", "cpu"])
+    assert on_cpu.device == "cpu" and on_cpu.num_seqs == bench.DEFAULTS["cpu"]["num_seqs"]
+    assert bench.parse_args([]).device == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cuda"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "tpu"])
+
+
 @pytest.mark.parametrize("argv", [["--top-p", "0"], ["--top-k", "-3"], ["--n", "0"], ["--logprobs", "30"],
                                   ["--engine", "hf", "--top-k", "20"]])
 def test_bad_sampling_options_are_refused(argv):
@@ -240,7 +253,7 @@ def test_a_shared_prefix_is_counted_once_in_the_floor():
 
 
 def test_every_workload_runs_end_to_end_with_a_json_line_each(capsys, checkpoint):
-    all_figures = bench.main(["--model", str(checkpoint), "--workload", "all", "--json"])
+    all_figures = bench.main(["--model", str(checkpoint), "--device", "cpu", "--workload", "all", "--json"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert lines == json.loads(json.dumps(all_figures))
     assert [f["workload"] for f in lines] == list(bench.WORKLOADS)
