@@ -29,7 +29,10 @@ def state(num_states: int, vocab: int, seed: int):
 def definition(logits, rows, state_rows, prompt_mask, counts, weights):
     """Token by token, in float32: repetition on prompt or output tokens, then frequency and presence."""
     out = logits.clone()
-    for row, state_row, (r, f, p) in zip(rows, state_rows, weights):
+    for row, state_row, weight in zip(rows, state_rows, weights):
+        # float32 tensors on the logits' device, not Python floats: CUDA divides by a CPU scalar as a
+        # multiplication by its reciprocal, which is not IEEE division in the last bit
+        r, f, p = torch.tensor(weight, dtype=torch.float32, device=logits.device).unbind()
         x = logits[row].float()
         c = counts[state_row].float()
         seen = prompt_mask[state_row] | (c > 0)
