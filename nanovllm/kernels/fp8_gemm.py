@@ -15,7 +15,9 @@ scales, in two launches that never wait for the host (a decode step replays in a
      result is scaled by its activation group's and weight block's scales before it joins the accumulator
      (DeepSeek's promotion: the FP8 dot's limited internal accumulation never spans more than 128 products);
    - a decode step (M <= 16), either scheme: `fp8_skinny_gemm`, the same dot with K split over more programs
-     (a weight-bound GEMM needs every SM streaming), its parts added in a fixed order.
+     (a weight-bound GEMM needs every SM streaming), its parts added in a fixed order; one row with
+     per-channel weights: `skinny_gemm.gemv`, float32 products on CUDA cores (fp8_linear then skips the
+     quantization pass: the GEMV reads the row in the model's dtype).
 
 Tiles are chosen on M alone (CONFIGS; M is never specialized on), so start-up can compile every variant by
 running one batch per bucket (config_token_counts). Under Triton's interpreter (CPU tests) float32 -> e4m3
@@ -254,6 +256,12 @@ def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch
             and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
 
 
+def reads_unquantized(num_rows: int, block_scaled: bool) -> bool:
+    """A lone row (a single decode stream) with per-channel weights goes to the GEMV, which reads it in the
+    model's dtype as it is: no quantization pass (the producer of such a row writes it plain too)."""
+    return num_rows == 1 and not block_scaled
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_scaled: bool,
                use_scaled_mm: bool | None = None) -> torch.Tensor:
     """x [..., K] in the model's dtype times e4m3 weight [N, K]^T -> [..., N] in x's dtype. weight_scale:
@@ -261,6 +269,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     per-channel path either way (tests); default: scaled_mm_applies."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
+    if use_scaled_mm is None and reads_unquantized(x.shape[0], block_scaled) and x.stride(1) == 1:
+        return skinny_gemm.gemv(x, weight, b_scale=weight_scale).view(*shape[:-1], weight.shape[0])
     q, scale = quantize_activations(x, GROUP if block_scaled else None)
     out = fp8_matmul(q, scale, weight, weight_scale, block_scaled, x.dtype, use_scaled_mm)
     return out.view(*shape[:-1], weight.shape[0])
@@ -271,6 +281,8 @@ def fp8_matmul(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     """fp8_linear's GEMM for activations already quantized (q e4m3 [M, K], scale as quantize_activations gives
     it, e.g. written by nanovllm.kernels.fp8_activations): [M, N] in out_dtype."""
     num_rows, num_cols = q.shape[0], weight.shape[0]
+    if use_scaled_mm is None and num_rows == 1 and not block_scaled:
+        return skinny_gemm.gemv(q, weight, a_scale=scale, b_scale=weight_scale, out_dtype=out_dtype)
     if use_scaled_mm is None and choose_skinny_config(num_rows) is not None:
         return fp8_skinny_gemm(q, scale, weight, weight_scale, out_dtype, block_scaled)
     if not block_scaled:

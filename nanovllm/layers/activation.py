@@ -20,6 +20,8 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantization = self.output_quantization
+        if quantization is not None and not quantization.applies(x):
+            quantization = None
         if quantization is not None:
             fused = quantization.silu_and_mul(x)
             if fused is not None:

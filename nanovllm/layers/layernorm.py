@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalized x; with `residual`, (normalized x + residual, x + residual). One Triton kernel on a GPU."""
         quantization = self.output_quantization
+        if quantization is not None and not quantization.applies(x):
+            quantization = None
         if quantization is not None:
             fused = quantization.rms_norm(x, self.weight, self.eps, residual)
             if fused is not None:

@@ -85,10 +85,35 @@ def test_each_decode_config_matches_the_torch_path(first, block_scaled, split):
         ref = fp8_linear_torch(x, q_w, s_w, scheme)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
         x = x.bfloat16()                                       # the model's dtype, through the config chosen for M
-        ref = fp8_linear_torch(x.float(), q_w, s_w, scheme)
+        if m == 1 and not block_scaled:     # one row: the GEMV reads it unquantized
+            ref = x.float() @ dequantize_weight(q_w, s_w, scheme).t()
+        else:
+            ref = fp8_linear_torch(x.float(), q_w, s_w, scheme)
         out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled)
         torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=1e-5 * ref.abs().max().item())
     assert not skinny_gemm._tile_counters(torch.device(DEVICE)).any()       # every tile's counter reset
+
+
+@pytest.mark.parametrize("block_scaled", [False, True], ids=["channel", "block"])
+def test_one_row_with_channel_scales_takes_the_gemv(block_scaled, monkeypatch):
+    """A lone row with per-channel weights goes to skinny_gemm.gemv: fp8_linear hands it over unquantized
+    (no quantization pass), fp8_matmul quantized with its scale; block weights stay on the dot kernel."""
+    scheme = "block" if block_scaled else "channel"
+    q_w, s_w = quantize_weight(torch.randn(200, 384, device=DEVICE) * 0.05, scheme)
+    x = activations(1, 384, seed=3)
+    calls = []
+    real_gemv = skinny_gemm.gemv
+    monkeypatch.setattr(skinny_gemm, "gemv", lambda *args, **kwargs: calls.append(kwargs) or real_gemv(*args, **kwargs))
+    out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled)
+    q_x, s_x = fp8_gemm.quantize_activations(x, 128 if block_scaled else None)
+    quantized = fp8_gemm.fp8_matmul(q_x, s_x, q_w, s_w, block_scaled, torch.float32)
+    if block_scaled:
+        assert not calls
+        return
+    assert [sorted(kwargs) for kwargs in calls] == [["b_scale"], ["a_scale", "b_scale", "out_dtype"]]
+    w = dequantize_weight(q_w, s_w, scheme)
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quantized, fp8_linear_torch(x, q_w, s_w, scheme), rtol=1e-5, atol=1e-5)
 
 
 def test_the_skinny_buckets_cover_a_decode_batch_then_hand_over():

@@ -81,6 +81,68 @@ def test_split_k_fills_the_device_and_keeps_parts_long():
         assert split == 1 or tiles * split // 2 < target                      # no more than needed
 
 
+# ---- one row: gemv ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split", [False, True], ids=["whole-k", "split-k"])
+@pytest.mark.parametrize("operands", ["model-dtype", "fp8-weights", "fp8-both"])
+def test_gemv_matches_a_float32_matmul(operands, split):
+    """One row, ragged N and K (masked tails), K whole or split (the last part to arrive adds them in order),
+    with and without a bias: FP8 weights with per-row scales, the row unquantized or quantized with its
+    scale, against the same values dequantized and multiplied in float32."""
+    from nanovllm.layers.quantization.fp8 import quantize_activations, quantize_weight
+
+    config = replace(skinny_gemm.GEMV_CONFIG, block_k=64, programs_per_sm=64 if split else 0)
+    n, k = 3 * config.block_n + 5, 8 * config.block_k + 76
+    device = torch.device(DEVICE)
+    assert (skinny_gemm.split_k(skinny_gemm.triton.cdiv(n, config.block_n), k, config, device) > 1) == split
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE)
+    x = torch.randn(1, k, generator=gen).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(DEVICE)
+    kwargs, w_ref, x_ref = {}, w, x
+    if operands != "model-dtype":
+        w, w_scale = quantize_weight(w, "channel")
+        kwargs["b_scale"] = w_scale
+        w_ref = w.float() * w_scale[:, None]
+    if operands == "fp8-both":
+        x, x_scale = quantize_activations(x)
+        kwargs["a_scale"] = x_scale
+        x_ref = x.float() * x_scale[:, None]
+    for b in (None, bias):
+        out = skinny_gemm.gemv(x, w, b, out_dtype=torch.float32, config=config, **kwargs)
+        assert out.shape == (1, n) and out.dtype == torch.float32
+        torch.testing.assert_close(out, reference(x_ref, w_ref, b), rtol=1e-5, atol=1e-4)
+    assert not skinny_gemm._tile_counters(device).any()       # every tile's counter reset
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n, k", [(1024, 2048), (6144, 4096), (4096, 12288)])
+def test_gemv_full_size_on_the_gpu_and_in_a_graph(n, k):
+    """Qwen3-8B's qkv and down shapes (K whole, K split), FP8 weights, bf16 and FP8 rows, replayed in a CUDA
+    graph with new inputs exactly as eager computes them."""
+    from nanovllm.layers.quantization.fp8 import quantize_activations, quantize_weight
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w, w_scale = quantize_weight(torch.randn(n, k, generator=gen, device="cuda").bfloat16() * 0.02, "channel")
+    x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
+    ref = reference(x, w.float() * w_scale[:, None], None)
+    out = skinny_gemm.gemv(x, w, b_scale=w_scale, out_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    q, q_scale = quantize_activations(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = skinny_gemm.gemv(q, w, a_scale=q_scale, b_scale=w_scale)
+    for seed in (1, 2):
+        x.copy_(torch.randn(1, k, generator=gen, device="cuda").bfloat16())
+        new_q, new_scale = quantize_activations(x)
+        q.copy_(new_q), q_scale.copy_(new_scale)
+        graph.replay()
+        assert torch.equal(static_out, skinny_gemm.gemv(q, w, a_scale=q_scale, b_scale=w_scale))
+        torch.testing.assert_close(static_out.float(), reference(q.float() * q_scale[:, None],
+                                                                 w.float() * w_scale[:, None], None),
+                                   rtol=8e-3, atol=1e-3)
+    assert not skinny_gemm._tile_counters(torch.device("cuda")).any()
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
 @pytest.mark.parametrize("n, k", [(1024, 2048), (6144, 4096)])

@@ -257,7 +257,7 @@ def fp8_layer(method, rows: int, cols: int) -> ColumnParallelLinear:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the fused kernels: needs a CUDA GPU"))])
 @pytest.mark.parametrize("method", [CHANNEL, BLOCK], ids=["channel", "block"])
-@pytest.mark.parametrize("num_rows", [5, 40])          # a decode step's skinny GEMM, and a tiled one
+@pytest.mark.parametrize("num_rows", [1, 5, 40])       # one row (the GEMV on a GPU), skinny GEMM, a tiled one
 def test_norm_and_gate_write_an_fp8_layers_input_as_the_layer_would_quantize_it(num_rows, method, device):
     """A module whose output one FP8 layer alone reads (RMSNorm before q/k/v or gate/up, SiLU-and-mul before
     down) hands it the e4m3 values and scales the layer would have computed (on a GPU in the same kernel as
@@ -278,7 +278,9 @@ def test_norm_and_gate_write_an_fp8_layers_input_as_the_layer_would_quantize_it(
     norm.output_quantization = gate.output_quantization = layer.input_quantization()
     normed, summed = norm(x, residual)
     first, gated = norm(x), gate(gate_up)
-    assert all(isinstance(out, QuantizedActivations) for out in (normed, first, gated))
+    # a lone row reaches a per-channel layer on a GPU in the model's dtype (its GEMV reads it so)
+    plain_row = device == "cuda" and num_rows == 1 and method is CHANNEL
+    assert all(isinstance(out, QuantizedActivations) != plain_row for out in (normed, first, gated))
     assert torch.equal(summed, plain_summed)
     for quantized, plain in ((normed, plain_normed), (first, plain_first), (gated, plain_gated)):
         assert torch.equal(layer(quantized), layer(plain))

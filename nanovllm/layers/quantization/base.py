@@ -38,6 +38,10 @@ class InputQuantization:
     """How a scheme's layers want their input, for the module whose output a layer alone reads: that module
     calls the fused variant of its pass where one runs (None elsewhere), or quantizes its plain output."""
 
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether the layer reads this input quantized; False: it takes x in the model's dtype as it is."""
+        return True
+
     def quantize(self, x: torch.Tensor) -> QuantizedActivations:
         """x [M, K] in the model's dtype as the layer would quantize it."""
         raise NotImplementedError

@@ -133,6 +133,9 @@ class Fp8Input(InputQuantization):
     one launch and one pass over the rows fewer per projection); elsewhere their output is quantized."""
     group_size: int | None
 
+    def applies(self, x: torch.Tensor) -> bool:
+        return not (x.is_cuda and fp8_gemm.reads_unquantized(x.numel() // x.shape[-1], self.group_size is not None))
+
     def quantize(self, x: torch.Tensor) -> QuantizedActivations:
         quantize = fp8_gemm.quantize_activations if x.is_cuda else quantize_activations
         return QuantizedActivations(*quantize(x, self.group_size), x.dtype)
