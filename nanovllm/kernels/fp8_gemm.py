@@ -63,8 +63,10 @@ CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
 
 
 def config_token_counts() -> tuple[int, ...]:
-    """One row count per tile config fp8_linear can pick, skinny or not (the engine's warm-up runs each once)."""
-    return tuple(sorted({first for first, _ in CONFIGS} | {first for first, _ in SKINNY_CONFIGS}))
+    """One row count per tile config fp8_linear can pick, skinny or not, and per GEMV (one row): the engine's
+    warm-up runs each once. 2: the first skinny bucket's first count that per-channel weights reach (one row
+    goes to the GEMV)."""
+    return tuple(sorted({first for first, _ in CONFIGS} | {first for first, _ in SKINNY_CONFIGS} | {1, 2}))
 
 
 def choose_config(num_rows: int) -> GemmConfig:

@@ -130,13 +130,14 @@ def test_gemv_full_size_on_the_gpu_and_in_a_graph(n, k):
     q, q_scale = quantize_activations(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = skinny_gemm.gemv(q, w, a_scale=q_scale, b_scale=w_scale)
+        static_out = skinny_gemm.gemv(q, w, a_scale=q_scale, b_scale=w_scale, out_dtype=torch.bfloat16)
     for seed in (1, 2):
         x.copy_(torch.randn(1, k, generator=gen, device="cuda").bfloat16())
         new_q, new_scale = quantize_activations(x)
         q.copy_(new_q), q_scale.copy_(new_scale)
         graph.replay()
-        assert torch.equal(static_out, skinny_gemm.gemv(q, w, a_scale=q_scale, b_scale=w_scale))
+        assert torch.equal(static_out, skinny_gemm.gemv(q, w, a_scale=q_scale, b_scale=w_scale,
+                                                         out_dtype=torch.bfloat16))
         torch.testing.assert_close(static_out.float(), reference(q.float() * q_scale[:, None],
                                                                  w.float() * w_scale[:, None], None),
                                    rtol=8e-3, atol=1e-3)
