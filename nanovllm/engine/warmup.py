@@ -1,16 +1,19 @@
 """Warm-up runs of a rank's model at start-up, on a GPU, so that no request waits for a kernel to compile:
 one before the KV cache exists (a prefill at the full token budget, whose peak activation memory the
-cache's sizing then leaves room for, and every kernel variant a batch can reach) and one after (the
-paths that read K/V through the block table). The sampler warms its own kernels (Sampler.warmup).
+cache's sizing then leaves room for, and every kernel variant a batch can reach; with speculative decoding
+also a verification step's sampling at its most rows) and one after (the paths that read K/V through the
+block table). The sampler warms its own kernels (Sampler.warmup).
 
 Each takes the rank's ModelRunner and runs real steps through it (`runner.run`)."""
 import torch
 
+from nanovllm.engine.sampling_inputs import build_verify_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels.prefill_attention import SHORT_KEYS
 from nanovllm.layers.linear import dense_warmup_token_counts
 from nanovllm.layers.quantization import warmup_token_counts
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.layers.rejection_sampler import DraftRows
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def warmup_model(runner) -> None:
@@ -31,7 +34,36 @@ def warmup_model(runner) -> None:
     for num_seqs in dense_warmup_token_counts():
         if num_seqs <= min(budget, config.max_num_seqs):
             _warm_prefill(runner, num_seqs, longest=1)
+    if config.speculative_config:
+        warmup_verify(runner)
     torch.cuda.empty_cache()
+
+
+# the costliest sampling a row can ask for: every filter, every penalty (a private state copy per row), log-probs
+COSTLIEST = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                           presence_penalty=0.1, frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+
+
+def warmup_verify(runner) -> None:
+    """Speculative decoding: a verification step's sampling at its most rows (as many sequences as the step
+    can hold, each with a full draft), so that its [rows, vocab] logits, probabilities and penalty copies are
+    in the peak the KV cache's sizing leaves room for; a plain step samples one row a sequence. The rows'
+    hidden states are zeros through the LM head (no KV is read: the cache does not exist yet)."""
+    config = runner.config
+    k = config.speculative_config["num_speculative_tokens"]
+    num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // (k + 1)))
+    hidden = torch.zeros(num_seqs * (k + 1), config.hf_config.hidden_size, dtype=config.dtype, device=runner.device)
+    logits = runner.model.lm_head.logits_of(hidden)         # every rank: the LM head gathers to rank 0
+    if runner.rank != 0:
+        return
+    seqs = [Sequence([0], COSTLIEST, runner.block_size) for _ in range(num_seqs)]
+    for seq in seqs:
+        seq.num_scheduled_tokens = 1                        # a row that samples (penalized as a decode row is)
+    drafts = [[0] * k for _ in seqs]
+    tensors, _ = build_verify_tensors(seqs, drafts, config.hf_config.vocab_size, config.eos_token_ids,
+                                      runner.penalty_state, runner.device)
+    runner.rejection_sampler(logits, tensors, DraftRows.from_drafts(drafts, runner.device))
+    runner.penalty_state.release([seq.seq_id for seq in seqs])
 
 
 def _warm_prefill(runner, num_tokens: int, longest: int | None = None) -> None:
