@@ -21,8 +21,11 @@ def prompts_with_shared_prefix(n=6, seed=0):
     return [prefix + [rng.randrange(512) for _ in range(rng.randint(1, 30))] for _ in range(n)]
 
 
-def shm_segments():
-    return set(glob.glob("/dev/shm/nanovllm-*"))
+def shm_segments(pid=None):
+    """The shared-memory segments that process `pid` (default: this one) created. A segment is named after
+    the process that creates it, rank 0 (nanovllm/distributed/workers.py; the workers only attach to it), so
+    these are all a test's engines can leave behind; others (another xdist worker's engines) are not ours."""
+    return set(glob.glob(f"/dev/shm/nanovllm-{pid or os.getpid()}-*"))
 
 
 def live_children():
@@ -88,13 +91,14 @@ def test_atexit_cleans_up_an_engine_left_running(model_dir):
         from nanovllm import LLM, SamplingParams
         llm = LLM({str(model_dir)!r}, device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=64)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-        print("worker", llm.workers.processes[0].pid, flush=True)
+        print("worker", llm.workers.processes[0].pid, "rank0", os.getpid(), flush=True)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "leaked" not in result.stderr          # the resource tracker found nothing left to clean
-    worker_pid = int(result.stdout.split("worker")[1])
-    assert shm_segments() == before_shm
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("worker ")]
+    worker_pid, script_pid = map(int, line.split()[1::2])
+    assert shm_segments() == before_shm and not shm_segments(script_pid)
     assert not os.path.exists(f"/proc/{worker_pid}") or "zombie" in open(f"/proc/{worker_pid}/status").read().lower()
 
 

@@ -51,8 +51,11 @@ def expected(model_dir, device):
         return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def shm_segments():
-    return set(glob.glob("/dev/shm/nanovllm-*"))
+def shm_segments(pid=None):
+    """The shared-memory segments that process `pid` (default: this one) created. A segment is named after
+    the process that creates it, rank 0 (nanovllm/distributed/workers.py; the workers only attach to it), so
+    these are all a test's engines can leave behind; others (another xdist worker's engines) are not ours."""
+    return set(glob.glob(f"/dev/shm/nanovllm-{pid or os.getpid()}-*"))
 
 
 def gone(pid):
@@ -174,7 +177,8 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(model_dir, device, tm
     last_line = stderr.strip().splitlines()[-1]     # the parent's own error (the child's tail is quoted above it)
     assert "rank 1 died" in stderr and 'if __name__ == "__main__":' in stderr, stderr[-3000:]
     assert "rank 1's error output" in stderr and last_line.strip(), stderr[-3000:]
-    assert shm_segments() == shm_before
+    # the script was rank 0 (its worker, importing it again, was refused before it built anything)
+    assert shm_segments() == shm_before and not shm_segments(child.pid)
 
 
 GENERATE_FOREVER = """
