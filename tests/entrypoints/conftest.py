@@ -2,8 +2,8 @@
 no model needed), and a real `nanovllm serve` subprocess on the tiny checkpoint (started once per module)."""
 import asyncio
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -188,22 +188,23 @@ def fake_engine():
 
 
 # ---- a real server ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --port 0: the kernel picks a free port as the server binds it, and uvicorn says which. A port found free
+# here and handed over would be free only until then: seconds of engine start-up, in which another xdist
+# worker's server, engine (its rendezvous store) or client could take it, and then perhaps answer our
+# health checks while this server fails to bind.
+LISTENING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+) ")
 
 
 class Server:
-    """`python -m nanovllm.serve MODEL --port P ...` as a subprocess; its output goes to a log file."""
+    """`python -m nanovllm.serve MODEL --port 0 ...` as a subprocess; its output goes to a log file."""
     ENGINE_ARGS = SERVER_ENGINE_ARGS
 
     def __init__(self, model: str, extra_args: list[str], log_path: Path, api_key: str | None = None,
                  threads: int | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None        # and url: once the server listens (_wait_ready)
+        self.url = ""
         self.api_key = api_key
-        args = [sys.executable, "-m", "nanovllm.serve", str(model), "--port", str(self.port), *extra_args]
+        args = [sys.executable, "-m", "nanovllm.serve", str(model), "--port", "0", *extra_args]
         if api_key:
             args += ["--api-key", api_key]
         self.log_path = log_path
@@ -222,8 +223,11 @@ class Server:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
+            if self.port is None and (listening := LISTENING.search(self.output())):
+                self.port = int(listening[1])
+                self.url = f"http://127.0.0.1:{self.port}"
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if self.port is not None and httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
