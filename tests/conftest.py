@@ -1,14 +1,27 @@
-"""Test-wide setup: Triton through its interpreter when there is no GPU, and random checkpoints."""
+"""Test-wide setup: Triton through its interpreter when there is no GPU, random checkpoints, and the
+parallel run (pytest-xdist): torch threads per worker, and which tests may share the GPU."""
 import os
 
 # Tests' CPU work is small tensors and tiny engines. On a many-core GPU box torch would take a thread per
 # core and spin them against each other: a CPU-engine test took 72 s with 16 threads on the H100 machine,
 # 22 s with 4 and 19 s with 1. Set before torch is imported, so spawned engine and worker processes
 # inherit it too; a machine of two cores (CI) keeps its default.
-os.environ.setdefault("OMP_NUM_THREADS", str(min(2, len(os.sched_getaffinity(0)))))
+CORES = len(os.sched_getaffinity(0))
+os.environ.setdefault("OMP_NUM_THREADS", str(min(2, CORES)))
+# Under pytest-xdist (`-n auto`) the workers share the cores: each takes its share of them (at most the 2
+# above), and so do the processes its tests start (engines, tensor-parallel workers, servers), which inherit
+# OMP_NUM_THREADS. Two workers on two cores with two threads each made decode 20x slower (one_torch_thread).
+# The variable is lowered, not set: the controller process already set it above for the whole machine, and
+# a smaller value given by the user stands.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) if "PYTEST_XDIST_WORKER" in os.environ else 0
+if XDIST_WORKERS:
+    os.environ["OMP_NUM_THREADS"] = str(min(int(os.environ["OMP_NUM_THREADS"]), max(1, CORES // XDIST_WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if XDIST_WORKERS:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))    # in case torch was imported before this file
 
 if not torch.cuda.is_available():
     # must be set before triton is first imported, so that @triton.jit kernels run on CPU tensors
@@ -75,6 +88,54 @@ def _speed_up_the_interpreter() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _speed_up_the_interpreter()
+
+
+def _convert_one_at_a_time() -> None:
+    """Under xdist, SmolLM2's GGUF is converted by one worker while any other that needs it waits, and then
+    reads the result: on a fresh machine both workers met it within seconds and each converted it (a minute
+    each, sharing the two cores). Correct either way (the directory is renamed into place whole); this only
+    saves the second conversion. The lock file lies outside the cache, which a test inspects."""
+    import fcntl
+    import tempfile
+    from pathlib import Path
+
+    from nanovllm.utils import gguf_checkpoint
+    convert = gguf_checkpoint.convert_gguf
+
+    def convert_once(gguf_path, out_dir, *args, **kwargs):
+        with open(Path(tempfile.gettempdir()) / "nanovllm-tests-convert.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (Path(out_dir) / "config.json").is_file():    # another worker converted it meanwhile
+                return Path(out_dir)
+            return convert(gguf_path, out_dir, *args, **kwargs)
+    gguf_checkpoint.convert_gguf = convert_once
+
+
+if XDIST_WORKERS:
+    _convert_one_at_a_time()
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist's own hook, which turns the groups into node ids
+def pytest_collection_modifyitems(config, items):
+    """xdist groups (honoured with `--dist loadgroup`, pyproject's addopts; without -n they change nothing).
+
+    With CUDA, every test not marked cpu_only joins the group "cuda": one worker runs them all, one after
+    another, since an engine takes 90% of the GPU's memory and two at once would fail. cpu_only tests (each
+    pins device="cpu" throughout) spread over the other workers. Without CUDA nothing needs the GPU: every
+    test may run anywhere.
+
+    Tests that share a module- or class-scoped fixture (a server, an engine, a reference model) are kept on
+    one worker, so that it is set up once, not once per worker their tests land on."""
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("xdist_group"):     # xdist would join two groups' names into a third
+            raise pytest.UsageError(f"{item.nodeid}: xdist groups are given in tests/conftest.py only")
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if cuda and item.get_closest_marker("cpu_only") is None:
+            item.add_marker(pytest.mark.xdist_group("cuda"))
+        elif fixtures and any(defs[-1].scope in ("class", "module", "package")
+                              for defs in fixtures.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")
