@@ -11,7 +11,8 @@ import pytest
 from nanovllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 from oracle import random_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.cpu_only]     # every engine is device="cpu"
 
 REQUESTS = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2))
             for p, m in zip(random_prompts(6, 512, (3, 40), seed=4), (5, 17, 30, 1, 12, 24))]

@@ -17,7 +17,8 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm import batch  # noqa: E402
 from nanovllm.utils.gguf_checkpoint import default_model  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)     # Ray and replica processes: a regression must fail, not hang
+pytestmark = [pytest.mark.timeout(600),  # Ray and replica processes: a regression must fail, not hang
+              pytest.mark.cpu_only]      # every engine is device="cpu" (the Ray replicas take CPUs)
 
 ENGINE = dict(device="cpu", max_model_len=256, enforce_eager=True)
 DEFAULTS = dict(temperature=0.0, max_tokens=6)

@@ -7,6 +7,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 HAIKU = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write a haiku about the sea."}]

@@ -6,6 +6,8 @@ import pytest
 
 from nanovllm.engine.chat_template import conversations, render_chat
 
+pytestmark = pytest.mark.cpu_only     # tokenizers and templates only
+
 # prints what it is given: roles, content, the calls (arguments read as an object), tools and a kwarg
 PRINTING_TEMPLATE = (
     "{% for m in messages %}[{{ m.role }}|{{ m.content }}{% for c in m.tool_calls or [] %}"

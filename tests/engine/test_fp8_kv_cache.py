@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from nanovllm import LLM
 from teacher_forcing import forced_logprobs, random_prompts
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64)
 
 

@@ -14,7 +14,8 @@ from block_invariants import check_invariants
 from oracle import load_hf_model, random_prompts
 from sampling_reference import hf_probabilities
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # every engine is device="cpu"
 
 BLOCK = 16
 VOCAB = 512                                              # the tiny checkpoint's

@@ -24,7 +24,8 @@ from nanovllm.engine.sequence import Sequence
 from oracle import hf_greedy, load_hf_model, random_prompts
 from sampling_reference import greedy_with_penalties, hf_generate_greedy, teacher_forced_logprobs
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # every engine is device="cpu"
 
 BLOCK = 16
 VOCAB = 512            # the tiny checkpoint's

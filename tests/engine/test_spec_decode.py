@@ -15,7 +15,8 @@ from nanovllm.engine.ngram_proposer import ngram_draft
 from block_invariants import check_invariants
 from oracle import random_prompts
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # every engine is device="cpu"
 
 BLOCK = 16
 VOCAB = 512

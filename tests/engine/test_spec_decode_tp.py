@@ -5,7 +5,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 
-pytestmark = pytest.mark.timeout(300)     # worker processes: a regression must fail, not hang CI
+pytestmark = [pytest.mark.timeout(300),  # worker processes: a regression must fail, not hang CI
+              pytest.mark.cpu_only]      # every engine is device="cpu" (gloo ranks)
 
 SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64, intermediate_size=96)
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [300 + i % 7 for i in range(33)]]

@@ -15,7 +15,8 @@ from nanovllm.utils.gguf_checkpoint import default_model
 jsonschema = pytest.importorskip("jsonschema")
 xgr = pytest.importorskip("xgrammar")
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(600),
+              pytest.mark.cpu_only]     # every engine is device="cpu"
 
 PERSON = {      # nested objects, an array, an enum, bounded numbers, strings with lengths; a short answer
     "type": "object",

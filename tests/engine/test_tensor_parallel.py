@@ -9,7 +9,8 @@ import torch.multiprocessing as mp
 from nanovllm import LLM, SamplingParams
 from oracle import hf_greedy, load_hf_model
 
-pytestmark = pytest.mark.timeout(300)     # worker processes: a regression must fail, not hang CI
+pytestmark = [pytest.mark.timeout(300),  # worker processes: a regression must fail, not hang CI
+              pytest.mark.cpu_only]      # every engine is device="cpu" (gloo ranks)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64, intermediate_size=96)

@@ -28,8 +28,9 @@ SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_s
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"))])
+# [cpu]: its engines and scripts are all device="cpu", so it may run beside the GPU tests (tests/conftest.py)
+@pytest.fixture(scope="module", params=[pytest.param("cpu", marks=pytest.mark.cpu_only), pytest.param(
+    "cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"))])
 def device(request):
     return request.param
 

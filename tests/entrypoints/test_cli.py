@@ -15,7 +15,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.cpu_only]     # the server and the chat run SERVER_ENGINE_ARGS (--device cpu)
 
 KEY = "sesame"      # conftest's keyed_server
 TURNS = ["Hello there", "And then?"]

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cpu_only     # help screens: not even torch is imported
+
 HEAVY = ("torch", "transformers", "triton", "numpy", "fastapi", "uvicorn")
 ENV = {**os.environ, "PYTHONIOENCODING": "utf-8"}
 

@@ -14,7 +14,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.cpu_only]     # the servers run SERVER_ENGINE_ARGS (--device cpu)
 
 EXIT_WITHIN = 15.0      # seconds; the server means to take < 5 (slack for a slow CI machine)
 

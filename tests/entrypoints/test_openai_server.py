@@ -18,7 +18,8 @@ pytest.importorskip("uvicorn")
 import oracle  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.cpu_only]     # the servers run SERVER_ENGINE_ARGS (--device cpu); the LLM is device="cpu"
 
 # the same engine settings as the server fixture's (conftest.SERVER_ENGINE_ARGS)
 ENGINE = dict(device="cpu", enforce_eager=True, max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=512)

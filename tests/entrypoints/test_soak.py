@@ -16,7 +16,8 @@ pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.cpu_only]     # the server runs ENGINE_ARGS (--device cpu)
 
 # 40 blocks of 16 tokens: ~6 requests of 100 tokens at once, where 32 clients (n up to 4) want more
 ENGINE_ARGS = ["--device", "cpu", "--enforce-eager", "--max-model-len", "512", "--kvcache-block-size", "16",

@@ -18,7 +18,8 @@ pytest.importorskip("xgrammar")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.cpu_only]     # the servers run ENGINE_ARGS (--device cpu)
 
 ENGINE_ARGS = ["--device", "cpu", "--enforce-eager", "--max-model-len", "1024", "--kvcache-block-size", "16",
                "--num-kvcache-blocks", "256"]

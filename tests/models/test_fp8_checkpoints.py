@@ -13,7 +13,8 @@ from fp8_checkpoint import dequantized, to_block_fp8, to_fp8_dynamic
 from nanovllm import LLM, SamplingParams
 from teacher_forcing import compare, forced_logprobs, hf_forced_logprobs
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # every engine is ENGINE's device="cpu"
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
              num_hidden_layers=2, vocab_size=512)

@@ -10,7 +10,8 @@ from fp8_checkpoint import dequantized, to_block_fp8, to_fp8_dynamic
 from nanovllm import LLM, SamplingParams
 from teacher_forcing import compare, forced_logprobs, hf_forced_logprobs
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # every engine is ENGINE's device="cpu"
 
 # every dimension a multiple of 128 (also per rank at TP=2), 8 experts, top 2
 SHAPES = {

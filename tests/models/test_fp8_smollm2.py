@@ -9,6 +9,7 @@ positions (top-1 agreement 0.991), spread over every layer and projection (one k
 o 1.3e-3, gate/up 6.5e-3, down 5.8e-3); per-token activations add the rest (3.4e-2 in all; per 1x32 groups
 would give 2.9e-2). (The weights are themselves dequantized from the GGUF's Q4_1.) The bounds below guard the
 measured figures against getting worse; they do not claim the goal."""
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -16,6 +17,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import reset_context
 from teacher_forcing import compare
+
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
 
 TEXTS = [
     "The water cycle describes how water moves between the oceans, the air and the land. Heat from the sun "

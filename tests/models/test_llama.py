@@ -7,6 +7,8 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from oracle import hf_greedy, load_hf_model, random_prompts
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=64)
 CHECKPOINTS = {

@@ -12,6 +12,8 @@ from nanovllm.config import Config
 from oracle import hf_greedy, load_hf_model, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
+# cpu_only (tests/conftest.py): the tests whose engines are all device="cpu"; those that build a Config of the
+# default device ("auto": CUDA on a GPU box) stay with the GPU tests
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
@@ -37,6 +39,7 @@ def expected(model_dir, prompts, max_tokens=GREEDY.max_tokens):
     return [hf_greedy(hf, p, max_tokens) for p in prompts]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 def test_greedy_matches_transformers(make_checkpoint, shape):
     model_dir = make_checkpoint(**SHAPES[shape])
@@ -45,6 +48,7 @@ def test_greedy_matches_transformers(make_checkpoint, shape):
         assert generate(llm, prompts) == expected(model_dir, prompts)
 
 
+@pytest.mark.cpu_only
 def test_the_layers_are_sparse_where_transformers_makes_them_sparse(make_checkpoint):
     from nanovllm.layers.fused_moe import SparseMoeBlock
     from nanovllm.models.llama import LlamaMLP
@@ -57,6 +61,7 @@ def test_the_layers_are_sparse_where_transformers_makes_them_sparse(make_checkpo
             assert all(isinstance(layer.mlp, LlamaMLP) for layer, s in zip(layers, sparse) if not s)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("shape", ["top2-of-16-renormalized", "mixtral-top2-of-8"])
 def test_prefix_cache_chunked_prefill_and_preemption_give_the_same_tokens(make_checkpoint, shape):
     model_dir = make_checkpoint(**SHAPES[shape])
@@ -72,6 +77,7 @@ def test_prefix_cache_chunked_prefill_and_preemption_give_the_same_tokens(make_c
     assert first + rest == expected(model_dir, prompts, max_tokens=20)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("shape", ["top2-of-16-renormalized", "mixtral-top2-of-8"])
 def test_tensor_parallel_over_gloo_equals_one_rank(make_checkpoint, shape):
     """Each expert's intermediate dimension split over two ranks, the router replicated."""
@@ -137,6 +143,7 @@ def test_tensor_parallel_must_divide_the_experts_intermediate_size(make_checkpoi
         Config(str(model_dir), tensor_parallel_size=4)
 
 
+@pytest.mark.cpu_only
 def test_a_checkpoint_missing_one_expert_is_refused(make_checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 

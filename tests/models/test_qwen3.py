@@ -5,6 +5,8 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from oracle import hf_greedy, load_hf_model, random_prompts
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 SHAPES = {
     "mha-d64": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64, hidden_size=64),
     "gqa2-d64": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=64, hidden_size=96),

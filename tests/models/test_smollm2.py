@@ -4,10 +4,13 @@ token-identical to transformers' on it."""
 import json
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
 from oracle import hf_greedy
+
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
 
 QUESTIONS = ["introduce yourself", "list all prime numbers within 100", "What is the capital of France?",
              "Write a haiku about the sea.", "Explain in one paragraph why the sky is blue."]
