@@ -7,7 +7,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine import warmup
 from nanovllm.sampling_params import MAX_LOGPROBS
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # the engine is device="cpu"
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
         "adaptive": False}
