@@ -18,7 +18,8 @@ _spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve()
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")     # the engine runs many steps (MoE's: 100x slower on two)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),   # the engine runs many steps (MoE's: 100x slower on two)
+              pytest.mark.cpu_only]     # every run passes --device cpu; the cuda cases only draw workloads
 
 # --device cpu: these are CPU runs on a GPU box too (the CPU's float32 model, workloads and defaults)
 TINY_RUN = ["--device", "cpu", "--num-seqs", "4", "--max-input-len", "32", "--max-output-len", "8", "--seed", "3",
