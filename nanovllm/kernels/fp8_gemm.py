@@ -260,7 +260,8 @@ def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch
 
 def reads_unquantized(num_rows: int, block_scaled: bool) -> bool:
     """A lone row (a single decode stream) with per-channel weights goes to the GEMV, which reads it in the
-    model's dtype as it is: no quantization pass (the producer of such a row writes it plain too)."""
+    model's dtype as it is: no quantization pass (the producer of such a row writes it plain too). The one
+    rule for both sides: fp8_linear / fp8_matmul's routing and Fp8Input.applies."""
     return num_rows == 1 and not block_scaled
 
 
@@ -283,7 +284,7 @@ def fp8_matmul(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     """fp8_linear's GEMM for activations already quantized (q e4m3 [M, K], scale as quantize_activations gives
     it, e.g. written by nanovllm.kernels.fp8_activations): [M, N] in out_dtype."""
     num_rows, num_cols = q.shape[0], weight.shape[0]
-    if use_scaled_mm is None and num_rows == 1 and not block_scaled:
+    if use_scaled_mm is None and reads_unquantized(num_rows, block_scaled):     # a row given quantized: the GEMV too
         return skinny_gemm.gemv(q, weight, a_scale=scale, b_scale=weight_scale, out_dtype=out_dtype)
     if use_scaled_mm is None and choose_skinny_config(num_rows) is not None:
         return fp8_skinny_gemm(q, scale, weight, weight_scale, out_dtype, block_scaled)
