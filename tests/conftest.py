@@ -90,31 +90,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _speed_up_the_interpreter()
 
 
-def _convert_one_at_a_time() -> None:
-    """Under xdist, SmolLM2's GGUF is converted by one worker while any other that needs it waits, and then
-    reads the result: on a fresh machine both workers met it within seconds and each converted it (a minute
-    each, sharing the two cores). Correct either way (the directory is renamed into place whole); this only
-    saves the second conversion. The lock file lies outside the cache, which a test inspects."""
-    import fcntl
-    import tempfile
-    from pathlib import Path
-
-    from nanovllm.utils import gguf_checkpoint
-    convert = gguf_checkpoint.convert_gguf
-
-    def convert_once(gguf_path, out_dir, *args, **kwargs):
-        with open(Path(tempfile.gettempdir()) / "nanovllm-tests-convert.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if (Path(out_dir) / "config.json").is_file():    # another worker converted it meanwhile
-                return Path(out_dir)
-            return convert(gguf_path, out_dir, *args, **kwargs)
-    gguf_checkpoint.convert_gguf = convert_once
-
-
-if XDIST_WORKERS:
-    _convert_one_at_a_time()
-
-
 @pytest.hookimpl(tryfirst=True)     # before xdist's own hook, which turns the groups into node ids
 def pytest_collection_modifyitems(config, items):
     """xdist groups (honoured with `--dist loadgroup`, pyproject's addopts; without -n they change nothing).

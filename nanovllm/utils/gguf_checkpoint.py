@@ -14,6 +14,7 @@ needed). It is converted on first use and cached under ~/.cache/nanovllm (or $NA
 Weights are saved in float32: that is the dtype transformers itself dequantizes GGUF weights to, so the
 saved checkpoint holds exactly the values transformers computes from the GGUF.
 """
+import fcntl
 import hashlib
 import os
 import shutil
@@ -103,8 +104,13 @@ def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype = torch.float32)
     dtype_name = str(dtype).removeprefix("torch.")
     out_dir = cache_root() / f"{gguf_path.stem}-{dtype_name}-{_fingerprint(gguf_path)}"
     if not (out_dir / "config.json").is_file():     # only a complete conversion ever gets this name
-        print(f"nanovllm: converting {gguf_path.name} once into {out_dir}", file=sys.stderr)
-        convert_gguf(gguf_path, out_dir, dtype)
+        # one process converts while any other that needs the same file waits, then reads its result (the
+        # lock lies outside the cache, which holds finished conversions only)
+        with open(Path(tempfile.gettempdir()) / f"nanovllm-convert-{out_dir.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out_dir / "config.json").is_file():
+                print(f"nanovllm: converting {gguf_path.name} once into {out_dir}", file=sys.stderr)
+                convert_gguf(gguf_path, out_dir, dtype)
     return out_dir
 
 

@@ -73,3 +73,33 @@ def test_the_conversion_is_cached_and_never_left_half_done(smollm2_dir, tmp_path
     except Exception:
         pass
     assert list((tmp_path / "cache").iterdir()) == []      # neither a finished-looking nor a temporary directory
+
+
+def test_two_processes_needing_one_conversion_run_it_once(tmp_path, monkeypatch):
+    """The second waits for the first (a lock outside the cache) and then reads its directory (threads here:
+    the lock is per open file, as between processes)."""
+    import threading
+    import time
+    from nanovllm.utils import gguf_checkpoint
+
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    calls = []
+
+    def slow_conversion(gguf_path, out_dir, dtype):
+        calls.append(out_dir)
+        time.sleep(0.5)
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+        return out_dir
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", slow_conversion)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(gguf_checkpoint.cached_checkpoint(gguf)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1] == calls[0]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [calls[0].name]     # the cache: conversions only
