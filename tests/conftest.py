@@ -133,6 +133,19 @@ def tiny_model(make_checkpoint):
     return make_checkpoint()
 
 
+# A model whose CPU decode steps (the servers', AsyncLLM's) take tens of milliseconds, not the tiny one's tens of microseconds: a
+# request of a few hundred tokens is still running when a test acts on it (the tiny model is done with 480
+# tokens in ~80 ms). Its size, not Triton's interpreter (an earlier way to slow steps), so that it holds with
+# any Triton: the GPU machine's Triton 3.6 interpreter cannot run the attention kernels.
+SLOW_MODEL_SHAPE = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
+                        num_key_value_heads=4, head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def slow_model(make_checkpoint):
+    return make_checkpoint(**SLOW_MODEL_SHAPE)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Two threads on two busy cores spin against each other (20x slower decode seen); one is plenty.

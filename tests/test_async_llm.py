@@ -4,7 +4,6 @@ requests come and go while others run; abort (or leaving the `async for`) frees 
 once; refusals raise before anything is yielded; tensor parallelism works behind it; shutdown leaves no
 process behind."""
 import asyncio
-import os
 
 import pytest
 
@@ -39,13 +38,10 @@ def engine(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def slow_engine(tiny_model):
-    """Attention through Triton's interpreter: steps slow enough that a request is still running when a
-    test acts on it (the plain engine generates hundreds of tokens in ~0.1 s)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs Triton's interpreter (a CPU machine)")
-    with AsyncLLM(str(tiny_model), device="cpu", attention_backend="triton", kvcache_block_size=16,
-                  max_model_len=256) as engine:
+def slow_engine(slow_model):
+    """Steps slow enough that a request is still running when a test acts on it (the tiny model generates
+    hundreds of tokens in ~0.1 s): a wider model (SLOW_MODEL_SHAPE), on every machine."""
+    with AsyncLLM(str(slow_model), device="cpu", kvcache_block_size=16, max_model_len=256) as engine:
         yield engine
 
 
