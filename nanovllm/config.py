@@ -25,9 +25,10 @@ CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, i
 # reasoning parser -> (start, end) markers of a model's thinking: a structured output constrains the answer
 # after the end marker, not the thinking (the server also splits the text there: entrypoints/reasoning_parsers)
 REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
-SPECULATIVE_METHODS = ("ngram",)                    # speculative_config["method"]: what runs today
-SPECULATIVE_METHODS_TO_COME = ("draft_model", "eagle3")     # vLLM's names, refused until they are implemented
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive")
+SPECULATIVE_METHODS = ("ngram", "draft_model")     # speculative_config["method"]: what runs today
+SPECULATIVE_METHODS_TO_COME = ("eagle3",)           # vLLM's names, refused until they are implemented
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "adaptive")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -75,12 +76,14 @@ class Config:
                                         # FP8 weights quantized online; a quantized checkpoint needs none
     reasoning_parser: str | None = None     # "qwen3" or "deepseek_r1": structured outputs start after the thinking
     # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-    # "prompt_lookup_min": 2}; checked and completed (the lookup bounds' defaults filled in) here. Ours beside them:
+    # "prompt_lookup_min": 2} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": k} (a smaller
+    # checkpoint with the target's vocabulary); checked and completed (defaults filled in) here. Ours beside them:
     # "adaptive" (default True): speculate only where it measures faster (engine/spec_decode.py's
     # SpeculationPolicy); False: on every decode step
     speculative_config: dict | None = None
     hf_config: PretrainedConfig = field(init=False, repr=False)
     quant_method: QuantizationMethod = field(init=False, default=None)   # layers/quantization; set when checked
+    draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)   # a draft_model's
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     @classmethod
@@ -129,6 +132,7 @@ class Config:
         self._resolve_kv_cache_dtype()
         self._resolve_attention_backend()
         self._check_tensor_parallel()
+        self._load_draft_config()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
 
@@ -150,6 +154,11 @@ class Config:
             raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config: num_speculative_tokens is required (the drafts per step, >= 1)")
+        if method == "draft_model":
+            self._check_draft_model_keys(spec)
+            return
+        if "model" in spec:
+            raise ValueError(f"speculative_config: method {method!r} takes no model (draft_model does)")
         lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = 5
@@ -172,6 +181,53 @@ class Config:
         if not isinstance(checked["adaptive"], bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {checked['adaptive']!r}")
         self.speculative_config = checked
+
+    def _check_draft_model_keys(self, spec: dict) -> None:
+        """draft_model: a checkpoint directory (its weights unless load_format is dummy) and k."""
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if name in spec:
+                raise ValueError(f"speculative_config: {name} is an ngram setting; draft_model does not take it")
+        if "model" not in spec:
+            raise ValueError("speculative_config: draft_model needs model, the draft checkpoint's directory")
+        try:
+            path = _check_model_dir(spec["model"], needs_weights=self.load_format == "auto")
+        except (TypeError, FileNotFoundError) as error:
+            raise ValueError(f"speculative_config: model: {error}") from None
+        k = spec["num_speculative_tokens"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, got {k!r}")
+        adaptive = spec.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
+        self.speculative_config = {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+                                   "adaptive": adaptive}
+
+    def _load_draft_config(self) -> None:
+        """A draft model's config: an architecture we run, the target's vocabulary (the target checks the
+        draft's tokens by id), heads that split over the same tensor-parallel ranks."""
+        spec = self.speculative_config
+        if spec is None or spec["method"] != "draft_model":
+            return
+        from transformers import AutoConfig
+        draft = AutoConfig.from_pretrained(spec["model"])
+        try:
+            draft_class = model_class(draft)
+            if hasattr(draft_class, "check_config"):
+                draft_class.check_config(draft, self.tensor_parallel_size, self.max_model_len)
+        except ValueError as error:
+            raise ValueError(f"speculative_config: the draft model: {error}") from None
+        if draft.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config: the draft model's max_position_embeddings "
+                             f"({draft.max_position_embeddings}) is below max_model_len ({self.max_model_len})")
+        if draft.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocab_size ({draft.vocab_size}) differs from "
+                             f"the target's ({self.hf_config.vocab_size}): a draft must share the vocabulary")
+        tp = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(draft, name) % tp:
+                raise ValueError(f"speculative_config: the draft model's {name} ({getattr(draft, name)}) is not "
+                                 f"divisible by tensor_parallel_size ({tp})")
+        self.draft_hf_config = draft
 
     def _resolve_device(self) -> None:
         import torch

@@ -12,16 +12,19 @@ from nanovllm.distributed.group import TensorParallelGroup
 from nanovllm.layers.attention import Attention
 
 
-def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
-    """[K/V, layers, blocks, block_size, this rank's kv heads, head_dim]."""
-    hf = config.hf_config
+def kv_cache_shape(config: Config, num_blocks: int, hf_config=None) -> tuple[int, ...]:
+    """[K/V, layers, blocks, block_size, this rank's kv heads, head_dim] of the target model (or of
+    hf_config's: a draft model's cache has the target's blocks, in its own shape)."""
+    hf = hf_config or config.hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     return (2, hf.num_hidden_layers, num_blocks, config.kvcache_block_size,
             hf.num_key_value_heads // config.tensor_parallel_size, head_dim)
 
 
 def block_bytes(config: Config) -> int:
-    return math.prod(kv_cache_shape(config, 1)) * config.kv_cache_dtype.itemsize
+    """One block's bytes: the target's K/V, and a draft model's beside it (same block ids, own cache)."""
+    models = [config.hf_config] + ([config.draft_hf_config] if config.draft_hf_config is not None else [])
+    return sum(math.prod(kv_cache_shape(config, 1, hf)) for hf in models) * config.kv_cache_dtype.itemsize
 
 
 def num_blocks_that_fit(config: Config, device: torch.device) -> int:
@@ -55,9 +58,10 @@ def agreed_num_blocks(num_blocks: int, group: TensorParallelGroup, device: torch
 
 
 def allocate_kv_cache(config: Config, num_blocks: int, device: torch.device,
-                      attention_layers: list[Attention]) -> torch.Tensor:
+                      attention_layers: list[Attention], hf_config=None) -> torch.Tensor:
     """The cache tensor; layer i's k_cache and v_cache become views of its [0, i] and [1, i]."""
-    kv_cache = torch.empty(kv_cache_shape(config, num_blocks), dtype=config.kv_cache_dtype, device=device)
+    kv_cache = torch.empty(kv_cache_shape(config, num_blocks, hf_config), dtype=config.kv_cache_dtype,
+                           device=device)
     for i, layer in enumerate(attention_layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
     return kv_cache

@@ -48,7 +48,8 @@ class LLMEngine:
                 self.workers.stop(graceful=False)
             raise
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
-        self.spec_decode = SpeculativeDecoding(config, self.scheduler) if config.speculative_config else None
+        self.spec_decode = SpeculativeDecoding(config, self.scheduler, partial(self._call, "propose_drafts")) \
+            if config.speculative_config else None
         self.limits = RequestLimits(config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
                                     self.model_runner.num_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size

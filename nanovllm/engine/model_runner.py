@@ -4,21 +4,20 @@ import itertools
 import torch
 
 from nanovllm.config import Config
-from nanovllm.distributed.group import TensorParallelGroup, building_with, rank_device
+from nanovllm.distributed.group import TensorParallelGroup, rank_device
 from nanovllm.engine import kv_cache as kv, step_inputs, warmup
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
+from nanovllm.engine.draft_model import DraftModel
+from nanovllm.engine.model_loading import build_model
 from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sampled_tokens import SampledTokens
 from nanovllm.engine.sampling_inputs import build_sampling_tensors, build_verify_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
-from nanovllm.layers.quantization import building_with_quantization
 from nanovllm.layers.rejection_sampler import DraftRows, RejectionSampler
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models import model_class
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.loader import load_dummy_weights, load_model
 from nanovllm.utils.transfer import list_to_device
 
 
@@ -46,6 +45,8 @@ class ModelRunner:
             torch.cuda.empty_cache()    # else the weights land in a freed engine's cached KV segment and pin it
         self.tp = group or TensorParallelGroup()
         self.graphs: CudaGraphs | None = None   # captured last, unless eager
+        self.draft: DraftModel | None = None    # speculative decoding's draft model, if configured
+        self._draft_probs = None                # rank 0: the laws of the drafts proposed last, for verify
         try:
             self._build()
         except BaseException:
@@ -57,18 +58,7 @@ class ModelRunner:
         config, hf_config = self.config, self.config.hf_config
         if self.device.type == "cuda" and self.world_size > 1 and not config.disable_custom_all_reduce:
             self.tp.enable_peer_all_reduce(self.device, [rank_device(config.device, r) for r in range(self.world_size)])
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with torch.device(self.device), building_with(self.tp), \
-                    building_with_quantization(config.quant_method):
-                self.model = model_class(hf_config)(hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            load_dummy_weights(self.model, std=getattr(hf_config, "initializer_range", None) or 0.02)
-        else:
-            load_model(self.model, config.model)
+        self.model = build_model(config, hf_config, config.model, self.device, self.tp, config.quant_method)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.penalty_state = PenaltyState(hf_config.vocab_size, self.device) if self.rank == 0 else None
@@ -80,6 +70,8 @@ class ModelRunner:
         self.ops = attention_ops(config.attention_backend)
         for layer in self._attention_layers():
             layer.ops = self.ops
+        if config.draft_hf_config is not None:
+            self.draft = DraftModel(config, self.device, self.tp, self.rank, self.ops)
         if self.device.type == "cuda":
             self.warmup_model()
             if self.rank == 0:
@@ -97,8 +89,10 @@ class ModelRunner:
         if hasattr(self, "model"):
             for layer in self._attention_layers():
                 layer.k_cache = layer.v_cache = torch.tensor([])
+        if getattr(self, "draft", None) is not None:
+            self.draft.exit()
         self.graphs = None
-        for name in ("kv_cache", "sampled", "model", "penalty_state"):
+        for name in ("kv_cache", "sampled", "model", "penalty_state", "draft", "_draft_probs"):
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -130,6 +124,8 @@ class ModelRunner:
         self.num_kvcache_blocks = kv.agreed_num_blocks(num_blocks, self.tp, self.device)
         self.kv_cache = kv.allocate_kv_cache(self.config, self.num_kvcache_blocks, self.device,
                                              self._attention_layers())
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(self.num_kvcache_blocks)
 
     # ---- per-step inputs (step_inputs.py) ---------------------------------------------------------------
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +176,8 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(hidden, seqs, computed, prompt_logprob_rows)
         else:
             logits = self.run_model(input_ids, positions, is_prefill, len(computed))
+        if self.draft is not None:      # the draft's K/V of the same tokens (draft_model.py)
+            self.draft.mirror(input_ids, positions)
         if block_copies:
             self.copy_blocks(block_copies)
         reset_context()
@@ -198,6 +196,13 @@ class ModelRunner:
         if self.rank == 0 and token_bitmask is not None:
             step[2].token_bitmask = tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
         return self._sample(*step)
+
+    def propose_drafts(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
+                       ) -> list[list[int]] | None:
+        """The draft model's lengths[i] drafts for seqs[i], whose slots are reserved, from its tokens
+        first_tokens[i] on (draft_model.py); rank 0 gets them and keeps their laws for the verify() after."""
+        drafts, self._draft_probs = self.draft.propose(seqs, lengths, first_tokens)
+        return drafts if self.rank == 0 else None
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], finished_seq_ids: list[int] = ()
@@ -220,7 +225,8 @@ class ModelRunner:
         self.sampled, self.sampled_rows = self.sampled[:0], {}
         if self.rank != 0:
             return None
-        output, accepted = self.rejection_sampler(logits, tensors, rows)
+        draft_probs, self._draft_probs = self._draft_probs, None
+        output, accepted = self.rejection_sampler(logits, tensors, rows, draft_probs)
         if state_rows is not None:      # count the emitted tokens of the penalized rows
             p = tensors.penalties.rows
             emitted = rows.offsets[p] <= accepted[rows.seq_of_row[p]]
@@ -256,6 +262,8 @@ class ModelRunner:
         """Copy whole KV blocks (source, destination), queued behind the step that wrote the sources."""
         source, destination = (list_to_device(list(column), torch.int64, self.device) for column in zip(*block_copies))
         kv.copy_blocks(self.kv_cache, source, destination)
+        if self.draft is not None:
+            kv.copy_blocks(self.draft.kv_cache, source, destination)
 
     def capture_cudagraph(self) -> None:
         hf, config = self.config.hf_config, self.config

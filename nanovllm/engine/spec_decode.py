@@ -1,9 +1,10 @@
 """Speculative decoding, the engine's side of a decode step: propose -> reserve slots -> verify -> accept.
 
-1. `propose`: drafts for the scheduled decode batch (ngram_proposer.py), each cut so that its sequence can
-   never pass max_tokens or max_model_len whatever is accepted, to the step's token budget (every row is
-   a token the model computes), and to the KV slots free blocks can give (BlockManager.reserve_lookahead:
-   drafts never preempt anything; a sequence without room decodes one token).
+1. `propose`: drafts for the scheduled decode batch (ngram_proposer.py, or the draft model on every rank:
+   draft_model.py), each cut so that its sequence can never pass max_tokens or max_model_len whatever is
+   accepted, to the step's token budget (every row is a token the model computes), and to the KV slots free
+   blocks can give (BlockManager.reserve_lookahead: drafts never preempt anything; a sequence without room
+   decodes one token). A draft model writes its own K/V as it drafts, so its slots are reserved first.
 2. The engine has every rank run ModelRunner.verify: each sequence computes its last token and its drafts
    in one prefill-shaped pass over its cached KV, and the rejection sampler says how many drafts hold
    (layers/rejection_sampler.py).
@@ -22,6 +23,8 @@ switches itself off where it does not pay (large batches, text that n-gram looku
 back on where it does. Outputs do not depend on the choice: greedy tokens are the same either way, and a
 seeded request draws with keys of its own positions.
 """
+from collections.abc import Callable
+
 from nanovllm.config import Config
 from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.engine.scheduler import Scheduler
@@ -66,10 +69,15 @@ class SpeculationPolicy:
 class SpeculativeDecoding:
     """Drafts for decode steps and the bookkeeping of what the target accepts; counts for llm.stats."""
 
-    def __init__(self, config: Config, scheduler: Scheduler):
+    def __init__(self, config: Config, scheduler: Scheduler,
+                 draft_model: Callable[[list[Sequence], list[int], list[list[int]]], list[list[int]]] | None = None):
+        """draft_model(seqs, lengths, first_tokens): the draft model's lengths[i] drafts for seqs[i], run on every rank
+        (method "draft_model"; the engine hands in its ModelRunner.propose_drafts call)."""
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec["num_speculative_tokens"], spec["prompt_lookup_min"],
-                                      spec["prompt_lookup_max"])
+        self.k = spec["num_speculative_tokens"]
+        self.draft_model = draft_model
+        self.proposer = None if spec["method"] == "draft_model" else NgramProposer(
+            self.k, spec["prompt_lookup_min"], spec["prompt_lookup_max"])
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         self.max_model_len = config.max_model_len
@@ -83,8 +91,18 @@ class SpeculativeDecoding:
         """Each scheduled decode sequence's drafts (maybe none), with KV slots reserved for them."""
         room = [min(seq.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens) - 1
                 for seq in seqs]
-        drafts = self.proposer.propose(seqs, room)
         budget = self.max_num_batched_tokens - len(seqs)     # the step's rows beyond one per sequence
+        if self.proposer is None:       # the draft model: slots first, then exactly that many drafts
+            lengths = []
+            for seq, most in zip(seqs, room):
+                wanted = min(self.k, most, budget)
+                lengths.append(self.block_manager.reserve_lookahead(seq, wanted) if wanted > 0 else 0)
+                budget -= lengths[-1]
+            if not any(lengths):
+                return [[] for _ in seqs]
+            # the tokens the draft computes first (draft_model.py): one back from the target's cached ones
+            return self.draft_model(seqs, lengths, [seq.token_ids[seq.num_cached_tokens - 1:] for seq in seqs])
+        drafts = self.proposer.propose(seqs, room)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             if draft:
                 keep = self.block_manager.reserve_lookahead(seq, min(len(draft), max(budget, 0)))

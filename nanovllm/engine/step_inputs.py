@@ -82,27 +82,37 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
     return input_ids, columns[1]
 
 
-def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative decoding's target step: each seq computes its last token and then its drafts, at
-    positions num_tokens - 1 on (their KV goes to the slots reserve_lookahead gave it), attending to its
-    cached KV through its block table. Shaped as a prefill over cached prefixes (cu_seqlens, block tables),
-    so the varlen attention reads it as it reads a chunked prefill's next chunk."""
+def prepare_segments(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
+                     device: torch.device) -> torch.Tensor:
+    """Attention metadata for seqs[i] computing counts[i] tokens at positions starts[i] on (their KV into
+    the slots its block table gives them), attending to its cached KV before them: shaped as a prefill over
+    cached prefixes (cu_seqlens, block tables), which the varlen attention reads as a chunked prefill's next
+    chunk. Returns the positions; the caller supplies the tokens."""
     bs = block_size
-    counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
-    starts = np.array([seq.num_tokens - 1 for seq in seqs], dtype=np.int64)
-    assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
-    input_ids = np.array([t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)], dtype=np.int64)
+    counts = np.array(counts, dtype=np.int64)
+    starts = np.array(starts, dtype=np.int64)
     positions = np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     tables = np.array(padded_block_tables(seqs), dtype=np.int64)
     rows = np.repeat(np.arange(len(seqs)), counts)
     slot_mapping = tables[rows, positions // bs] * bs + positions % bs
-    assert (tables[rows, positions // bs] >= 0).all(), "a draft without a reserved slot"
+    assert (tables[rows, positions // bs] >= 0).all(), "a token without a slot (a draft's must be reserved)"
     cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)])
     cu_seqlens_k = np.concatenate([[0], np.cumsum(starts + counts)])
     int32 = [to_device(a.astype(np.int32), device) for a in (cu_seqlens_q, cu_seqlens_k, slot_mapping, tables)]
     set_context(True, int32[0], int32[1], int(counts.max()), int((starts + counts).max()), int32[2], None, int32[3])
-    return to_device(input_ids, device), to_device(positions, device)
+    return to_device(positions, device)
+
+
+def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative decoding's target step: each seq computes its last token and then its drafts, at
+    positions num_tokens - 1 on (their KV goes to the slots reserve_lookahead gave it), attending to its
+    cached KV through its block table (prepare_segments)."""
+    assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
+    input_ids = np.array([t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)], dtype=np.int64)
+    positions = prepare_segments(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts],
+                                 block_size, device)
+    return to_device(input_ids, device), positions
 
 
 def prompt_logprob_targets(seqs: list[Sequence], computed: list[Sequence], wanted: list[tuple[int, int]]

@@ -17,8 +17,8 @@ accepting iff t == d (emitting t where it differs). So `RejectionSampler` then d
 Sampler itself (penalties, temperature, min_p, top_k, top_p, keyed draws, log-probs: plain decoding's
 code, on the GPU its kernels) and counts the leading rows whose token equals the draft. With the same
 keys the tokens are even the ones plain decoding draws: a seeded request gives the same completion with
-or without speculation. A proposal with a law of its own (draft models, to come) goes through
-`rejection_sample`, with p written out by `Sampler.probabilities`.
+or without speculation. A proposal with a law of its own goes through
+`rejection_sample`, with p written out by `Sampler.probabilities` (a draft model: engine/draft_model.py).
 """
 from dataclasses import dataclass
 
@@ -112,11 +112,11 @@ class RejectionSampler(nn.Module):
         """(each row's output, num_accepted [B]). The emitted tokens of sequence b are the tokens of its
         rows 0..num_accepted[b]: its accepted drafts, then the token at its first rejection or its bonus.
         draft_probs None: a deterministic proposal (one-hot q), verified by the sampler's own draws, with
-        the log-probs it gives; else the general rule (token ids alone)."""
+        the log-probs it gives; else the general rule (log-probs as the sampler gives them, of the raw logits)."""
         if draft_probs is None:
             output = self.sampler(logits, tensors)
             return output, num_accepted(rows, output.token_ids == rows.draft_token_ids)
         probs = self.sampler.probabilities(logits, tensors)
         token_ids, accepted = rejection_sample(probs, rows, draft_probs, uniforms_from_keys(tensors.keys),
                                                tensors.keys, self.sampler.draw)
-        return SamplerOutput(token_ids=token_ids), accepted
+        return self.sampler.with_logprobs(logits, tensors, token_ids), accepted

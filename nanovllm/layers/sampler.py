@@ -115,8 +115,7 @@ class Sampler(nn.Module):
         fused = on_kernels and num_top is not None and not edits and num_top <= kernels.max_candidates(logits.size(1))
         output = SamplerOutput(token_ids=torch.empty(0))
         if num_top is not None and not fused:
-            values, token_ids, _, _, log_z, _ = self._largest(raw, tensors.temperatures, max(num_top, 1))
-            output.top_token_ids, output.top_logprobs = token_ids[:, :num_top], values[:, :num_top] - log_z.unsqueeze(1)
+            output.top_token_ids, output.top_logprobs, log_z = self._top_logprobs(raw, tensors.temperatures, num_top)
         self._edit(logits, tensors, on_kernels)
         if on_kernels:
             output.token_ids, _, top_ids, top_logprobs, fused_log_z = self._filter_and_draw(
@@ -129,6 +128,24 @@ class Sampler(nn.Module):
         if num_top is not None:
             output.logprobs = raw.gather(1, output.token_ids.unsqueeze(1)).squeeze(1).float() - log_z
         return output
+
+    def with_logprobs(self, logits: torch.Tensor, tensors: SamplingTensors, token_ids: torch.Tensor) -> SamplerOutput:
+        """token_ids (drawn elsewhere: speculative decoding's rejection sampler) with the log-probs forward()
+        would give them: of the raw logits, the tokens' and each row's top tensors.max_logprobs."""
+        output = SamplerOutput(token_ids=token_ids)
+        if tensors.max_logprobs is None:
+            return output
+        if tensors.logits_rows is not None:
+            logits = logits[tensors.logits_rows]
+        output.top_token_ids, output.top_logprobs, log_z = self._top_logprobs(logits, tensors.temperatures,
+                                                                              tensors.max_logprobs)
+        output.logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).float() - log_z
+        return output
+
+    def _top_logprobs(self, raw: torch.Tensor, temperatures: torch.Tensor, num_top: int):
+        """(top token ids, their log-probs, log_z) of the raw logits, num_top a row."""
+        values, token_ids, _, _, log_z, _ = self._largest(raw, temperatures, max(num_top, 1))
+        return token_ids[:, :num_top], values[:, :num_top] - log_z.unsqueeze(1), log_z
 
     @staticmethod
     def _mask(logits: torch.Tensor, tensors: SamplingTensors, on_kernels: bool) -> None:

@@ -47,7 +47,7 @@ def test_the_proposer_caps_each_sequence_and_follows_it_as_it_grows():
 
 @pytest.mark.parametrize("config, words", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not implemented yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model needs model"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' is not implemented yet"),
     ({"num_speculative_tokens": 2}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
@@ -56,7 +56,8 @@ def test_the_proposer_caps_each_sequence_and_follows_it_as_it_grows():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, r"unknown key\(s\) \['model'\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'ngram' takes no model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}, r"unknown key\(s\) \['draft'\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be true or false"),
 ])
 def test_a_bad_speculative_config_is_refused_by_name(tiny_model, config, words):

@@ -1,0 +1,143 @@
+"""Speculative decoding's draft model (speculative_config method "draft_model"): a smaller checkpoint with the
+target's vocabulary, built on every rank beside the target (the same tensor-parallel split), that proposes up
+to k tokens a sequence, one forward pass a token.
+
+Its KV cache is a second paged cache indexed by the target's block ids: a token's draft K/V lie at the slot
+where its target K/V lie, so the BlockManager's block tables, prefix-cache hits, n > 1 block copies,
+preemption and lookahead reservations serve both caches at once. The draft computes its K/V in every prefill
+and plain decode step the target runs (ModelRunner.run calls `mirror` with that step's inputs and attention
+metadata), so it holds valid K/V wherever the target does but at one place: when a sequence's k drafts are all
+accepted, the draft never computed the last draft's K/V. So each proposal starts one token back, at
+num_cached_tokens - 1 (its K/V rewritten with the same token), and computes up to the last token: usually two
+tokens. (A block published to the prefix cache in between keeps that one hole: it can only lower the draft's
+acceptance of a later prompt that hits the block, never change an output.)
+
+A proposal: pass 1 computes those tokens and drafts token 1 from its last row; pass j computes draft j - 1 at
+its position (its slot reserved by reserve_lookahead before the drafting) and drafts token j. A greedy row
+drafts its argmax; a sampled row draws from q = softmax(logits / T), the request's temperature (no filters, no
+penalties: any q leaves the output's law exact, layers/rejection_sampler.py), with keys of its own (a seeded
+request's from its seed and the position, salted apart from the keys the verification draws with), and q is
+kept for the verification.
+"""
+import numpy as np
+import torch
+
+from nanovllm.config import Config
+from nanovllm.distributed.group import TensorParallelGroup
+from nanovllm.engine import kv_cache as kv
+from nanovllm.engine.model_loading import build_model
+from nanovllm.engine.sampling_inputs import seeded_key
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import prepare_segments
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.utils.context import reset_context
+from nanovllm.utils.transfer import to_device
+
+DRAFT_SALT = 0x5EED_D4AF      # a draft's draw keys differ from the verification's keys at the same position
+
+
+class DraftModel:
+    """The draft model of one rank and its KV cache (see the module's docstring)."""
+
+    def __init__(self, config: Config, device: torch.device, group: TensorParallelGroup, rank: int, ops):
+        self.config = config
+        self.device = device
+        self.tp = group
+        self.rank = rank
+        self.block_size = config.kvcache_block_size
+        # unquantized: a quantized target's method (and its checkpoint's scales) describe the target alone
+        self.model = build_model(config, config.draft_hf_config, config.speculative_config["model"], device, group,
+                                 None)
+        for layer in self.attention_layers():
+            layer.ops = ops
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler()
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """As many blocks as the target's, in the draft's shape (kv_cache.block_bytes counted both)."""
+        self.kv_cache = kv.allocate_kv_cache(self.config, num_blocks, self.device, self.attention_layers(),
+                                             self.config.draft_hf_config)
+
+    def exit(self) -> None:
+        for layer in self.attention_layers():
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+
+    @torch.inference_mode()
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The draft's K/V of the tokens the target's step computes, under that step's attention metadata."""
+        self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
+                ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """lengths[i] drafts for seqs[i] (their slots reserved), computed from its tokens first_tokens[i]
+        (from num_cached_tokens - 1 to its last: a worker's copy of a decode sequence holds its last token
+        alone) on. Rank 0 gets (the drafts, q): q [R, vocab]
+        float32, row j of seqs[i]'s rows (in the verification's order: len(drafts[i]) + 1 rows each) the law
+        draft j + 1 was drawn from; None when every drafting row is greedy (a one-hot q: the verification
+        then needs none). Other ranks get ([], None)."""
+        active = [i for i, n in enumerate(lengths) if n > 0]
+        if not active:
+            return [[] for _ in seqs], None
+        rounds = max(lengths)
+        drafted = torch.empty(len(seqs), rounds, dtype=torch.int64, device=self.device)
+        temperatures, keys = self._draw_inputs(seqs, rounds) if self.rank == 0 else (None, None)
+        sampled = self.rank == 0 and bool((temperatures > 0).any())
+        laws = []       # (rows of seqs, round, q [rows, vocab]) of the sampled drafts
+        for j in range(rounds):
+            rows = [i for i in active if lengths[i] > j]
+            batch = [seqs[i] for i in rows]
+            if j == 0:      # from one token back (see the module's docstring) to the last token
+                firsts = [first_tokens[i] for i in rows]
+                positions = prepare_segments(batch, [seq.num_tokens - len(f) for seq, f in zip(batch, firsts)],
+                                             [len(f) for f in firsts], self.block_size, self.device)
+                input_ids = to_device(np.array([t for f in firsts for t in f], dtype=np.int64), self.device)
+            else:           # each sequence's draft j at its position
+                positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
+                                             self.block_size, self.device)
+                input_ids = drafted[rows, j - 1]
+            logits = self.model.compute_logits(self.model(input_ids, positions))
+            reset_context()
+            token_ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            if self.rank == 0:
+                index = to_device(np.array(rows, dtype=np.int64), self.device)
+                t, key = temperatures[index, j], keys[index, j]
+                token_ids = self.sampler.draw(logits, t, key)
+                if sampled:
+                    scaled = logits.float() / torch.where(t > 0, t, 1.0).unsqueeze(1)
+                    q = torch.where((t > 0).unsqueeze(1), torch.softmax(scaled, dim=-1),
+                                    torch.zeros_like(scaled).scatter_(1, token_ids.unsqueeze(1), 1.0))
+                    laws.append((rows, j, q))
+            self.tp.broadcast_from_first(token_ids)     # every rank feeds them to its next pass
+            drafted[rows, j] = token_ids
+        if self.rank != 0:
+            return [], None
+        host = drafted.tolist()
+        drafts = [host[i][:n] for i, n in enumerate(lengths)]
+        return drafts, self._verification_rows(lengths, laws) if sampled else None
+
+    def _draw_inputs(self, seqs: list[Sequence], rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[seqs, rounds] temperatures and draw keys: draft j of a seeded request drawn with a key of its
+        seed, its completion's index and its position, salted; other rows' keys from one random number."""
+        params = [seq.sampling_params for seq in seqs]
+        temperatures = np.repeat(np.array([p.temperature for p in params], dtype=np.float32)[:, None], rounds, 1)
+        keys = int(torch.randint(0, 2 ** 62 - 2 ** 30, (1,))) + np.arange(len(seqs) * rounds, dtype=np.int64)
+        keys = keys.reshape(len(seqs), rounds)
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None:
+                keys[i] = [seeded_key(p.seed ^ DRAFT_SALT, seq.index, seq.num_tokens + j) for j in range(rounds)]
+        return to_device(temperatures, self.device), to_device(keys, self.device)
+
+    def _verification_rows(self, lengths: list[int], laws: list) -> torch.Tensor:
+        """q in the verification's row order (a sequence's rows: one a draft, then its bonus row, whose q is
+        never read); rows of greedy drafts one-hot at the draft."""
+        firsts = np.concatenate([[0], np.cumsum([n + 1 for n in lengths])])
+        q = torch.zeros(int(firsts[-1]), laws[0][2].size(1), dtype=torch.float32, device=self.device)
+        for rows, j, law in laws:
+            q[to_device((firsts[rows] + j).astype(np.int64), self.device)] = law
+        return q
