@@ -1,7 +1,7 @@
 """Warm-up runs of a rank's model at start-up, on a GPU, so that no request waits for a kernel to compile:
 one before the KV cache exists (a prefill at the full token budget, whose peak activation memory the
 cache's sizing then leaves room for, and every kernel variant a batch can reach; with speculative decoding
-also a verification step's sampling at its most rows) and one after (the paths that read K/V through the
+also a verification step's sampling at its most rows, and a draft model's LM head and drafts' laws) and one after (the paths that read K/V through the
 block table). The sampler warms its own kernels (Sampler.warmup).
 
 Each takes the rank's ModelRunner and runs real steps through it (`runner.run`)."""
@@ -54,6 +54,15 @@ def warmup_verify(runner) -> None:
     num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // (k + 1)))
     hidden = torch.zeros(num_seqs * (k + 1), config.hf_config.hidden_size, dtype=config.dtype, device=runner.device)
     logits = runner.model.lm_head.logits_of(hidden)         # every rank: the LM head gathers to rank 0
+    draft_probs = None
+    if runner.draft is not None:    # a draft model's LM head at each row count a step drafts for (its GEMM's
+        draft_hf = config.draft_hf_config                     # variants), and the laws q of a step's drafts
+        for rows in dense_warmup_token_counts():
+            if rows <= num_seqs:
+                runner.draft.model.lm_head.logits_of(torch.zeros(rows, draft_hf.hidden_size, dtype=config.dtype,
+                                                                 device=runner.device))
+        if runner.rank == 0:
+            draft_probs = torch.zeros(len(hidden), draft_hf.vocab_size, dtype=torch.float32, device=runner.device)
     if runner.rank != 0:
         return
     seqs = [Sequence([0], COSTLIEST, runner.block_size) for _ in range(num_seqs)]
@@ -62,7 +71,7 @@ def warmup_verify(runner) -> None:
     drafts = [[0] * k for _ in seqs]
     tensors, _ = build_verify_tensors(seqs, drafts, config.hf_config.vocab_size, config.eos_token_ids,
                                       runner.penalty_state, runner.device)
-    runner.rejection_sampler(logits, tensors, DraftRows.from_drafts(drafts, runner.device))
+    runner.rejection_sampler(logits, tensors, DraftRows.from_drafts(drafts, runner.device), draft_probs)
     runner.penalty_state.release([seq.seq_id for seq in seqs])
 
 
