@@ -1,0 +1,327 @@
+"""Speculative decoding with a draft model (issue #40, vLLM's method "draft_model"), as a specification: a
+smaller checkpoint of the target's vocabulary, with a paged KV cache of its own under the target's block ids
+and slots, proposes k tokens a decode step, one after another, and the target verifies them in one pass.
+
+Greedy requests get plain decoding's tokens, token for token (CPU float32), whatever the draft: the target
+itself (nearly every draft accepted: which also says that the draft's cache holds the right keys and values
+after prefix-cache hits, preemption and chunked prefill, where a wrong one would only cost acceptance),
+another random model (drafts mostly rejected) and a narrower one (a cache of another shape); through
+preemption, chunked prefill, prefix-cache hits, n > 1, batches mixed with sampled requests, and max_tokens
+or a stop token that ends a completion inside an accepted run. With "adaptive": False every decode step
+speculates. Sampled requests: the draft draws d ~ q (its softmax at the request's temperature), the target
+keeps it with probability min(1, p(d) / q(d)) and else draws from max(p - q, 0) renormalized: other tokens
+than plain decoding draws, but its law (Pearson's chi-square against transformers' probabilities at the
+first drafted position, accepted at the rate sum min(p, q) gives), and a seeded request draws the same
+tokens again. Bad configurations are refused by name, and structured outputs (for now). The n-gram method:
+test_spec_decode.py, whose layout this file follows."""
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from block_invariants import check_invariants
+from oracle import load_hf_model, random_prompts
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.cpu_only]     # every engine is device="cpu"
+
+BLOCK = 16
+VOCAB = 512                             # every checkpoint's here but the one that says otherwise
+REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
+RANDOM = random_prompts(3, VOCAB, (8, 40), seed=4101)
+PROMPTS = REPEATING + RANDOM
+MAX_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# the drafts beside the target itself ("self"): random models of its vocabulary (make_checkpoint's shapes)
+DRAFT_SHAPES = {
+    "other": dict(num_hidden_layers=1, seed=3),       # agrees with the target now and then
+    "narrow": dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                   num_key_value_heads=1, seed=5),    # half the target's KV heads: a cache of its own shape
+}
+HIGH_ACCEPTANCE = 0.8                   # the target as its own draft: only float ties may tell them apart
+
+
+def draft_model(model, k: int) -> dict:
+    """Speculation on every decode step (these tests are about its mechanics)."""
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k, "adaptive": False}
+
+
+def engine(model, spec: dict | None = None, **kwargs) -> LLM:
+    settings = dict(device="cpu", kvcache_block_size=BLOCK, max_model_len=256, num_kvcache_blocks=96)
+    return LLM(str(model), speculative_config=spec, **{**settings, **kwargs})
+
+
+def draft_dir(name: str, target, make_checkpoint):
+    return target if name == "self" else make_checkpoint(**DRAFT_SHAPES[name])
+
+
+def tokens(outputs: list[dict]) -> list[list[list[int]]]:
+    return [[c["token_ids"] for c in out["outputs"]] for out in outputs]
+
+
+def assert_idle(llm: LLM) -> None:
+    assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+def drafted(llm: LLM, before: dict) -> tuple[int, int, int]:
+    """(drafts, draft tokens, accepted tokens) since `before` (an earlier llm.stats)."""
+    stats = llm.stats
+    return tuple(stats[key] - before[key] for key in
+                 ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"))
+
+
+def assert_acceptance(draft: str, num_draft: int, num_accepted: int) -> None:
+    """The target as its own draft: nearly all accepted; another model: some rejected."""
+    assert num_draft > 0
+    if draft == "self":
+        assert num_accepted / num_draft > HIGH_ACCEPTANCE, (num_accepted, num_draft)
+    else:
+        assert num_accepted < num_draft
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    with engine(tiny_model) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module", params=[("self", 1), ("self", 3), ("other", 1), ("other", 3), ("narrow", 2)],
+                ids=lambda p: f"{p[0]}-k={p[1]}")
+def spec(tiny_model, make_checkpoint, request):
+    """(engine, draft name, k)"""
+    name, k = request.param
+    with engine(tiny_model, draft_model(draft_dir(name, tiny_model, make_checkpoint), k)) as llm:
+        yield llm, name, k
+
+
+@pytest.fixture(scope="module")
+def self3(tiny_model):
+    """The target as its own draft, 3 tokens a step: long accepted runs."""
+    with engine(tiny_model, draft_model(tiny_model, 3)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(plain):
+    return plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+# ---- greedy: token for token -----------------------------------------------------------------------------
+def test_greedy_is_token_identical_to_plain_decoding(spec, greedy_reference):
+    """Whatever the draft proposes, the target's tokens are kept; every decode step with room for a draft
+    speculates (a sequence gains at most k + 1 tokens a step, and has room while it lacks 2 or more)."""
+    llm, draft, k = spec
+    before = llm.stats
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(outputs) == tokens(greedy_reference)
+    num_drafts, num_draft, num_accepted = drafted(llm, before)
+    assert num_drafts >= len(PROMPTS) * -(-(MAX_TOKENS - 2) // (k + 1))
+    assert num_drafts <= num_draft <= k * num_drafts
+    assert_acceptance(draft, num_draft, num_accepted)
+    assert_idle(llm)
+
+
+def test_prefix_cache_hits_on_blocks_computed_under_speculation(spec, greedy_reference, plain):
+    """The same prompts again hit their cached blocks; a prompt that extends a completion hits the blocks
+    its decode steps filled. The target's cache there holds the accepted tokens' KV only (else the
+    continuation would differ), and so does the draft's (else the target itself, as the draft, would see
+    its drafts rejected)."""
+    llm, draft, _ = spec
+    hits = llm.stats["num_prefix_cache_hit_tokens"]
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(greedy_reference)
+    assert llm.stats["num_prefix_cache_hit_tokens"] > hits
+    extended = [p + out["token_ids"][:34] for p, out in zip(PROMPTS, greedy_reference)]
+    before = llm.stats
+    expected = plain.generate(extended, GREEDY, use_tqdm=False)
+    assert tokens(llm.generate(extended, GREEDY, use_tqdm=False)) == tokens(expected)
+    # each extended prompt finds at least its prompt's full blocks and one block of decoded tokens
+    gained = llm.stats["num_prefix_cache_hit_tokens"] - before["num_prefix_cache_hit_tokens"]
+    assert gained >= sum((len(p) // BLOCK + 1) * BLOCK for p in PROMPTS)
+    assert_acceptance(draft, *drafted(llm, before)[1:])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_preemption_and_chunked_prefill_give_the_same_tokens(tiny_model, make_checkpoint, greedy_reference, draft):
+    """10 blocks for 7 prompts growing to 3-5 blocks each: decode preempts (drafts never do, they take
+    free blocks only), and a preempted sequence is recomputed in both caches; a 16-token budget prefills
+    prompts in chunks and caps each step's drafts. The cache stays consistent step by step."""
+    spec = draft_model(draft_dir(draft, tiny_model, make_checkpoint), 3)
+    with engine(tiny_model, spec, num_kvcache_blocks=10, max_num_batched_tokens=16) as llm:
+        scheduler = llm.scheduler
+        ids = [llm.add_request(prompt, GREEDY) for prompt in PROMPTS]
+        completions = {}
+        while not llm.is_finished():
+            finished, _ = llm.step()
+            completions.update(finished)
+            live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
+            check_invariants(scheduler.block_manager, live)
+            assert all(len(seq.block_table) <= seq.num_blocks for seq in live)   # no reserved block outlives its step
+        assert [completions[i] for i in ids] == [out["token_ids"] for out in greedy_reference]
+        stats = llm.stats
+        assert stats["num_preemptions"] > 0
+        assert_acceptance(draft, stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"])
+        assert_idle(llm)
+
+
+def test_n_greedy_completions_are_all_the_greedy_tokens(spec, greedy_reference):
+    llm, _, _ = spec
+    outputs = llm.generate(PROMPTS, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert tokens(outputs) == [[ref["token_ids"]] * 3 for ref in greedy_reference]
+    assert_idle(llm)
+
+
+def test_greedy_requests_batched_with_sampled_ones_keep_their_tokens(spec, greedy_reference):
+    """Sampled requests (the draft draws, the target accepts or draws the residual) beside greedy ones
+    change nothing for the greedy ones."""
+    llm, _, _ = spec
+    params = [GREEDY if i % 2 == 0 else
+              SamplingParams(n=2, temperature=0.9, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    outputs = tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert outputs[::2] == tokens(greedy_reference)[::2]
+    assert all(len(out) == 2 and all(len(c) == MAX_TOKENS for c in out) for out in outputs[1::2])
+    assert_idle(llm)
+
+
+# ---- where a completion ends ---------------------------------------------------------------------------
+def test_max_tokens_ends_inside_an_accepted_run_exactly(self3, plain):
+    """Up to 4 tokens a step (3 accepted drafts and the target's next): max_tokens 1 to 14 end every
+    completion where plain decoding ends it, never past it."""
+    lengths = list(range(1, 15))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+    before = self3.stats
+    outputs = self3.generate(prompts, params, use_tqdm=False)
+    assert [len(out["token_ids"]) for out in outputs] == lengths
+    assert all(out["finish_reason"] == "length" for out in outputs)
+    assert tokens(outputs) == tokens(plain.generate(prompts, params, use_tqdm=False))
+    assert_acceptance("self", *drafted(self3, before)[1:])
+    assert_idle(self3)
+
+
+def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it(self3, plain, greedy_reference):
+    """Each prompt stops on tokens of its greedy completion at positions 2 to 13 (their first occurrence
+    there): with nearly every draft accepted, most come as accepted drafts inside a run; the completion
+    ends where plain decoding ends it and the accepted tokens after the stop token are dropped."""
+    prompts, params = [], []
+    for prompt, ref in zip(PROMPTS, greedy_reference):
+        completion = ref["token_ids"]
+        firsts = [j for j in range(2, 14) if completion[j] not in completion[:j]]
+        for j in firsts[:4]:
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[completion[j]]))
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert sum(out["finish_reason"] == "stop" for out in expected) >= 8
+    assert len({len(out["token_ids"]) % 4 for out in expected}) >= 3     # at every place of a 4-token run
+    before = self3.stats
+    outputs = self3.generate(prompts, params, use_tqdm=False)
+    assert [(o["token_ids"], o["finish_reason"], o["stop_reason"]) for o in outputs] == \
+        [(o["token_ids"], o["finish_reason"], o["stop_reason"]) for o in expected]
+    assert_acceptance("self", *drafted(self3, before)[1:])
+    assert_idle(self3)
+
+
+# ---- sampling: seeded requests draw the same tokens again -------------------------------------------------
+def test_a_seeded_request_draws_the_same_tokens_again(tiny_model, make_checkpoint):
+    """Two engines of the same configuration, the same seeds: the same tokens (the draft's draws, the
+    acceptance tests and the residual draws are all the request's); other seeds: other tokens."""
+    spec = draft_model(make_checkpoint(**DRAFT_SHAPES["other"]), 3)
+
+    def params(seed: int) -> list[SamplingParams]:
+        return [SamplingParams(n=2, temperature=0.8, seed=seed + i, max_tokens=24, ignore_eos=True)
+                for i in range(len(PROMPTS))]
+    with engine(tiny_model, spec) as llm:
+        first = tokens(llm.generate(PROMPTS, params(100), use_tqdm=False))
+        other = tokens(llm.generate(PROMPTS, params(200), use_tqdm=False))
+        stats = llm.stats
+        assert 0 < stats["spec_decode_accepted_tokens"] < stats["spec_decode_draft_tokens"]
+        assert_idle(llm)
+    with engine(tiny_model, spec) as llm:
+        assert tokens(llm.generate(PROMPTS, params(100), use_tqdm=False)) == first
+    pairs = [(a, b) for request_a, request_b in zip(first, other) for a, b in zip(request_a, request_b)]
+    assert sum(a != b for a, b in pairs) >= len(pairs) - 1
+    assert sum(a != b for a, b in first) >= len(first) - 1     # a request's two completions draw apart
+
+
+# ---- sampling: the law at a drafted position -------------------------------------------------------------
+N_LAW = 4000           # enough to tell the residual from p: a rejected draft redrawn from p fails at 1e-3
+LAW_PROMPT = random_prompts(1, VOCAB, (10, 10), seed=4102)[0]
+
+
+@pytest.fixture(scope="module")
+def law_models(tiny_model, make_checkpoint):
+    """transformers' target and "other" draft: the exact laws of the first two positions."""
+    return load_hf_model(tiny_model), load_hf_model(make_checkpoint(**DRAFT_SHAPES["other"]))
+
+
+def chi_square_p_value(samples: list[int], law: torch.Tensor) -> float:
+    """Pearson's chi-square of the samples against `law` ([VOCAB] float64), the cells expecting fewer than
+    5 pooled into one; its p-value."""
+    counts = torch.bincount(torch.tensor(samples), minlength=VOCAB).double()
+    assert counts[law == 0].sum() == 0
+    expected = law * len(samples)
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[(law > 0) & ~big].sum().reshape(1)])
+    expected = torch.cat([expected[big], expected[(law > 0) & ~big].sum().reshape(1)])
+    statistic = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, make_checkpoint, law_models, temperature):
+    """N seeded completions of one prompt, 3 tokens each: the first decode step drafts one token (k = 2,
+    capped by max_tokens) for every completion, the next step none. The second token t2 is where the draft
+    was verified: its law is plain decoding's, P(t2) = sum over t1 of p(t1) p(t2 | t1) (the target's
+    softmax at the temperature; transformers' probabilities), and drafts are accepted at the rate
+    sum over t1 of p(t1) sum over x of min(p(x | t1), q(x | t1)) (q: the draft's softmax), that is, also
+    rejected, with the residual drawn."""
+    target, draft = law_models
+    with torch.inference_mode():
+        first = torch.softmax(target(input_ids=torch.tensor([LAW_PROMPT])).logits[0, -1].double() / temperature, -1)
+        contexts = torch.tensor([LAW_PROMPT + [t1] for t1 in range(VOCAB)])
+        p = torch.softmax(target(input_ids=contexts).logits[:, -1].double() / temperature, -1)    # [t1, t2]
+        q = torch.softmax(draft(input_ids=contexts).logits[:, -1].double() / temperature, -1)
+    law = first @ p
+    rate = float(first @ torch.minimum(p, q).sum(-1))
+
+    spec = draft_model(make_checkpoint(**DRAFT_SHAPES["other"]), 2)
+    params = SamplingParams(n=N_LAW, seed=31, temperature=temperature, max_tokens=3, ignore_eos=True)
+    with engine(tiny_model, spec, max_num_seqs=N_LAW, num_kvcache_blocks=N_LAW + 16) as llm:
+        completions = tokens(llm.generate([LAW_PROMPT], params, use_tqdm=False))[0]
+        stats = llm.stats
+        assert_idle(llm)
+    assert len(completions) == N_LAW and all(len(c) == 3 for c in completions)
+    assert stats["spec_decode_num_drafts"] == stats["spec_decode_draft_tokens"] == N_LAW
+    accepted = stats["spec_decode_accepted_tokens"]
+    assert 0 < accepted < N_LAW
+    assert abs(accepted / N_LAW - rate) < 4 * (rate * (1 - rate) / N_LAW) ** 0.5, (accepted / N_LAW, rate)
+    assert chi_square_p_value([c[1] for c in completions], law) > 1e-3
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case, words", [
+    ("without a model", r"\bmodel\b"),
+    ("a model that does not exist", "no-such-draft"),
+    ("another vocabulary", "vocab"),
+    ("a model for the n-gram method", r"\bmodel\b"),
+])
+def test_a_bad_draft_model_config_is_refused_by_name(tiny_model, make_checkpoint, tmp_path, case, words):
+    spec = {
+        "without a model": {"method": "draft_model", "num_speculative_tokens": 2},
+        "a model that does not exist": draft_model(tmp_path / "no-such-draft", 2),
+        "another vocabulary": draft_model(make_checkpoint(num_hidden_layers=1, vocab_size=384), 2),
+        "a model for the n-gram method": {"method": "ngram", "num_speculative_tokens": 2, "model": str(tiny_model)},
+    }[case]
+    with pytest.raises(ValueError, match=words):
+        engine(tiny_model, spec).exit()
+
+
+def test_structured_outputs_are_refused_with_speculation(self3):
+    from nanovllm import StructuredOutputsParams
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="speculative"):
+        self3.generate([[1, 2, 3]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="speculative"):
+        self3.add_checked_request([1, 2, 3], params)
+    assert_idle(self3)
