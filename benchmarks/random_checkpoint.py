@@ -112,3 +112,63 @@ def write_random_checkpoint(path: str | Path, architecture: str = "Qwen3ForCausa
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()         # an engine started next sizes its KV cache from free memory
     return path
+
+
+def write_random_eagle3_head(path: str | Path, target: str | Path, draft_vocab_size: int | None = None,
+                             aux_layer_ids: list[int] | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+                             weights: bool = True, **config_overrides) -> Path:
+    """An EAGLE-3 head for the checkpoint in `target`, in the published layout (nanovllm/models/eagle3.py):
+    config.json ("LlamaForCausalLMEagle3", one layer, the target's vocab_size, draft_vocab_size,
+    eagle_config.eagle_aux_hidden_state_layer_ids) and model.safetensors (fc, midlayer.*, norm, lm_head, d2t
+    when the draft vocabulary is a subset: the target ids of draft ids 0.. are an increasing random pick).
+    config_overrides set the head's shape (default: the target's hidden size, heads and head_dim, 2 x
+    hidden intermediate)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(target)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hidden = config_overrides.get("hidden_size", target_config.hidden_size)
+    heads = config_overrides.get("num_attention_heads", target_config.num_attention_heads)
+    settings = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=hidden,
+                    num_attention_heads=heads,
+                    num_key_value_heads=config_overrides.get("num_key_value_heads", target_config.num_key_value_heads),
+                    head_dim=config_overrides.get("head_dim", getattr(target_config, "head_dim", None) or hidden // heads),
+                    intermediate_size=2 * hidden, num_hidden_layers=1, vocab_size=target_config.vocab_size,
+                    draft_vocab_size=draft_vocab_size or target_config.vocab_size, hidden_act="silu",
+                    rms_norm_eps=target_config.rms_norm_eps, rope_theta=getattr(target_config, "rope_theta", 10000.0),
+                    max_position_embeddings=target_config.max_position_embeddings, tie_word_embeddings=False,
+                    target_hidden_size=target_config.hidden_size, torch_dtype=str(dtype).removeprefix("torch."))
+    settings.update(config_overrides)
+    if aux_layer_ids is not None:
+        settings["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    (path / "config.json").write_text(json.dumps(settings, indent=2))
+    if not weights:
+        return path
+    generator = torch.Generator().manual_seed(seed)
+    h, hd, t = settings["hidden_size"], settings["head_dim"], target_config.hidden_size
+    q, kv, inter, dv = settings["num_attention_heads"] * hd, settings["num_key_value_heads"] * hd, \
+        settings["intermediate_size"], settings["draft_vocab_size"]
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=generator) * cols ** -0.5).to(dtype)
+
+    def norm() -> torch.Tensor:
+        return (0.8 + 0.4 * torch.rand(h, generator=generator)).to(dtype)
+
+    tensors = {"fc.weight": matrix(h, 3 * t),
+               "midlayer.self_attn.q_proj.weight": matrix(q, 2 * h), "midlayer.self_attn.k_proj.weight": matrix(kv, 2 * h),
+               "midlayer.self_attn.v_proj.weight": matrix(kv, 2 * h), "midlayer.self_attn.o_proj.weight": matrix(h, q),
+               "midlayer.mlp.gate_proj.weight": matrix(inter, h), "midlayer.mlp.up_proj.weight": matrix(inter, h),
+               "midlayer.mlp.down_proj.weight": matrix(h, inter), "midlayer.input_layernorm.weight": norm(),
+               "midlayer.hidden_norm.weight": norm(), "midlayer.post_attention_layernorm.weight": norm(),
+               "norm.weight": norm(), "lm_head.weight": matrix(dv, h)}
+    if dv != target_config.vocab_size:
+        picked = torch.randperm(target_config.vocab_size, generator=generator)[:dv].sort().values
+        tensors["d2t"] = picked - torch.arange(dv)
+        tensors["t2d"] = torch.zeros(target_config.vocab_size, dtype=torch.bool).index_fill_(0, picked, True)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

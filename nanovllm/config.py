@@ -25,8 +25,7 @@ CPU_KV_CACHE_BYTES = 512 << 20   # the CPU's default KV budget: modest, fixed, i
 # reasoning parser -> (start, end) markers of a model's thinking: a structured output constrains the answer
 # after the end marker, not the thinking (the server also splits the text there: entrypoints/reasoning_parsers)
 REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
-SPECULATIVE_METHODS = ("ngram", "draft_model")     # speculative_config["method"]: what runs today
-SPECULATIVE_METHODS_TO_COME = ("eagle3",)           # vLLM's names, refused until they are implemented
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")     # speculative_config["method"]: what runs today
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                     "adaptive")
 
@@ -147,18 +146,15 @@ class Config:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; it takes {list(SPECULATIVE_KEYS)}")
         method = spec.get("method")
-        if method in SPECULATIVE_METHODS_TO_COME:
-            raise ValueError(f"speculative_config: method {method!r} is not implemented yet; "
-                             f"use one of {list(SPECULATIVE_METHODS)}")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         if "num_speculative_tokens" not in spec:
             raise ValueError("speculative_config: num_speculative_tokens is required (the drafts per step, >= 1)")
-        if method == "draft_model":
+        if method in ("draft_model", "eagle3"):
             self._check_draft_model_keys(spec)
             return
         if "model" in spec:
-            raise ValueError(f"speculative_config: method {method!r} takes no model (draft_model does)")
+            raise ValueError(f"speculative_config: method {method!r} takes no model (draft_model and eagle3 do)")
         lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = 5
@@ -183,12 +179,13 @@ class Config:
         self.speculative_config = checked
 
     def _check_draft_model_keys(self, spec: dict) -> None:
-        """draft_model: a checkpoint directory (its weights unless load_format is dummy) and k."""
+        """draft_model and eagle3: a checkpoint directory (its weights unless load_format is dummy) and k."""
+        method = spec["method"]
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if name in spec:
-                raise ValueError(f"speculative_config: {name} is an ngram setting; draft_model does not take it")
+                raise ValueError(f"speculative_config: {name} is an ngram setting; {method} does not take it")
         if "model" not in spec:
-            raise ValueError("speculative_config: draft_model needs model, the draft checkpoint's directory")
+            raise ValueError(f"speculative_config: {method} needs model, the draft checkpoint's directory")
         try:
             path = _check_model_dir(spec["model"], needs_weights=self.load_format == "auto")
         except (TypeError, FileNotFoundError) as error:
@@ -199,17 +196,20 @@ class Config:
         adaptive = spec.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
-        self.speculative_config = {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+        self.speculative_config = {"method": method, "model": str(path), "num_speculative_tokens": k,
                                    "adaptive": adaptive}
 
     def _load_draft_config(self) -> None:
         """A draft model's config: an architecture we run, the target's vocabulary (the target checks the
         draft's tokens by id), heads that split over the same tensor-parallel ranks."""
         spec = self.speculative_config
-        if spec is None or spec["method"] != "draft_model":
+        if spec is None or spec["method"] not in ("draft_model", "eagle3"):
             return
         from transformers import AutoConfig
         draft = AutoConfig.from_pretrained(spec["model"])
+        if spec["method"] == "eagle3":
+            self._check_eagle3_head(draft)
+            return
         try:
             draft_class = model_class(draft)
             if hasattr(draft_class, "check_config"):
@@ -228,6 +228,36 @@ class Config:
                 raise ValueError(f"speculative_config: the draft model's {name} ({getattr(draft, name)}) is not "
                                  f"divisible by tensor_parallel_size ({tp})")
         self.draft_hf_config = draft
+
+    def _check_eagle3_head(self, head) -> None:
+        """An EAGLE-3 head: its published layout (models/eagle3.py), the target's vocabulary (its own draft
+        vocabulary within it), the target layers it reads, heads that split over the ranks."""
+        from nanovllm.models.eagle3 import EAGLE3_ARCHITECTURES, aux_hidden_layer_ids
+        architectures = getattr(head, "architectures", None) or []
+        if not set(architectures) & set(EAGLE3_ARCHITECTURES):
+            raise ValueError(f"speculative_config: eagle3 needs an EAGLE-3 head ({' or '.join(EAGLE3_ARCHITECTURES)}"
+                             f" in its config.json), got architectures {architectures}")
+        if getattr(head, "num_hidden_layers", 1) != 1:
+            raise ValueError(f"speculative_config: an EAGLE-3 head has one layer, this one {head.num_hidden_layers}")
+        if head.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config: the EAGLE-3 head's vocab_size ({head.vocab_size}) differs from the "
+                             f"target's ({self.hf_config.vocab_size}): it was trained for another model")
+        draft_vocab = getattr(head, "draft_vocab_size", None) or head.vocab_size
+        if draft_vocab > head.vocab_size:
+            raise ValueError(f"speculative_config: the EAGLE-3 head's draft_vocab_size ({draft_vocab}) exceeds "
+                             f"its vocab_size ({head.vocab_size})")
+        if getattr(head, "hidden_act", "silu") != "silu":
+            raise ValueError(f"speculative_config: the EAGLE-3 head's hidden_act {head.hidden_act!r} is not 'silu'")
+        try:
+            aux_hidden_layer_ids(head, self.hf_config.num_hidden_layers)
+        except ValueError as error:
+            raise ValueError(f"speculative_config: {error}") from None
+        tp = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(head, name) % tp:
+                raise ValueError(f"speculative_config: the EAGLE-3 head's {name} ({getattr(head, name)}) is not "
+                                 f"divisible by tensor_parallel_size ({tp})")
+        self.draft_hf_config = head
 
     def _resolve_device(self) -> None:
         import torch

@@ -5,7 +5,7 @@ to k tokens a sequence, one forward pass a token.
 Its KV cache is a second paged cache indexed by the target's block ids: a token's draft K/V lie at the slot
 where its target K/V lie, so the BlockManager's block tables, prefix-cache hits, n > 1 block copies,
 preemption and lookahead reservations serve both caches at once. The draft computes its K/V in every prefill
-and plain decode step the target runs (ModelRunner.run calls `mirror` with that step's inputs and attention
+and plain decode step the target runs (ModelRunner.run calls `after_step` with that step's inputs and attention
 metadata), so it holds valid K/V wherever the target does but at one place: when a sequence's k drafts are all
 accepted, the draft never computed the last draft's K/V. So each proposal starts one token back, at
 num_cached_tokens - 1 (its K/V rewritten with the same token), and computes up to the last token: usually two
@@ -40,7 +40,10 @@ DRAFT_SALT = 0x5EED_D4AF      # a draft's draw keys differ from the verification
 class DraftModel:
     """The draft model of one rank and its KV cache (see the module's docstring)."""
 
-    def __init__(self, config: Config, device: torch.device, group: TensorParallelGroup, rank: int, ops):
+    reads_verification = False      # its drafting writes the drafts' K/V itself (see the module's docstring)
+
+    def __init__(self, config: Config, target: torch.nn.Module, device: torch.device, group: TensorParallelGroup,
+                 rank: int, ops):
         self.config = config
         self.device = device
         self.tp = group
@@ -68,9 +71,14 @@ class DraftModel:
         self.kv_cache = None
 
     @torch.inference_mode()
-    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """The draft's K/V of the tokens the target's step computes, under that step's attention metadata."""
+    def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
+                   computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
+        """The draft's K/V of the tokens a target step (prefill or decode) computed, under its attention
+        metadata (the caller sets it again)."""
         self.model(input_ids, positions)
+
+    def after_verify(self, *args) -> None:
+        """Nothing: the drafts' K/V were written as they were drafted."""
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
@@ -86,7 +94,7 @@ class DraftModel:
             return [[] for _ in seqs], None
         rounds = max(lengths)
         drafted = torch.empty(len(seqs), rounds, dtype=torch.int64, device=self.device)
-        temperatures, keys = self._draw_inputs(seqs, rounds) if self.rank == 0 else (None, None)
+        temperatures, keys = draw_inputs(seqs, rounds, self.device) if self.rank == 0 else (None, None)
         sampled = self.rank == 0 and bool((temperatures > 0).any())
         laws = []       # (rows of seqs, round, q [rows, vocab]) of the sampled drafts
         for j in range(rounds):
@@ -105,39 +113,62 @@ class DraftModel:
             reset_context()
             token_ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             if self.rank == 0:
-                index = to_device(np.array(rows, dtype=np.int64), self.device)
-                t, key = temperatures[index, j], keys[index, j]
-                token_ids = self.sampler.draw(logits, t, key)
-                if sampled:
-                    scaled = logits.float() / torch.where(t > 0, t, 1.0).unsqueeze(1)
-                    q = torch.where((t > 0).unsqueeze(1), torch.softmax(scaled, dim=-1),
-                                    torch.zeros_like(scaled).scatter_(1, token_ids.unsqueeze(1), 1.0))
+                token_ids, q = draw_drafts(self.sampler, logits, rows, j, temperatures, keys, sampled)
+                if q is not None:
                     laws.append((rows, j, q))
             self.tp.broadcast_from_first(token_ids)     # every rank feeds them to its next pass
             drafted[rows, j] = token_ids
-        if self.rank != 0:
-            return [], None
-        host = drafted.tolist()
-        drafts = [host[i][:n] for i, n in enumerate(lengths)]
-        return drafts, self._verification_rows(lengths, laws) if sampled else None
+        return finish_proposal(drafted, lengths, laws, sampled, self.rank)
 
-    def _draw_inputs(self, seqs: list[Sequence], rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[seqs, rounds] temperatures and draw keys: draft j of a seeded request drawn with a key of its
-        seed, its completion's index and its position, salted; other rows' keys from one random number."""
-        params = [seq.sampling_params for seq in seqs]
-        temperatures = np.repeat(np.array([p.temperature for p in params], dtype=np.float32)[:, None], rounds, 1)
-        keys = int(torch.randint(0, 2 ** 62 - 2 ** 30, (1,))) + np.arange(len(seqs) * rounds, dtype=np.int64)
-        keys = keys.reshape(len(seqs), rounds)
-        for i, (seq, p) in enumerate(zip(seqs, params)):
-            if p.seed is not None:
-                keys[i] = [seeded_key(p.seed ^ DRAFT_SALT, seq.index, seq.num_tokens + j) for j in range(rounds)]
-        return to_device(temperatures, self.device), to_device(keys, self.device)
 
-    def _verification_rows(self, lengths: list[int], laws: list) -> torch.Tensor:
-        """q in the verification's row order (a sequence's rows: one a draft, then its bonus row, whose q is
-        never read); rows of greedy drafts one-hot at the draft."""
-        firsts = np.concatenate([[0], np.cumsum([n + 1 for n in lengths])])
-        q = torch.zeros(int(firsts[-1]), laws[0][2].size(1), dtype=torch.float32, device=self.device)
-        for rows, j, law in laws:
-            q[to_device((firsts[rows] + j).astype(np.int64), self.device)] = law
-        return q
+def draw_inputs(seqs: list[Sequence], rounds: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[seqs, rounds] temperatures and draw keys: draft j of a seeded request drawn with a key of its seed,
+    its completion's index and its position, salted; other rows' keys from one random number."""
+    params = [seq.sampling_params for seq in seqs]
+    temperatures = np.repeat(np.array([p.temperature for p in params], dtype=np.float32)[:, None], rounds, 1)
+    keys = int(torch.randint(0, 2 ** 62 - 2 ** 30, (1,))) + np.arange(len(seqs) * rounds, dtype=np.int64)
+    keys = keys.reshape(len(seqs), rounds)
+    for i, (seq, p) in enumerate(zip(seqs, params)):
+        if p.seed is not None:
+            keys[i] = [seeded_key(p.seed ^ DRAFT_SALT, seq.index, seq.num_tokens + j) for j in range(rounds)]
+    return to_device(temperatures, device), to_device(keys, device)
+
+
+def draw_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[int], j: int, temperatures: torch.Tensor,
+                keys: torch.Tensor, sampled: bool, to_target_ids=None, vocab_size: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round j's drafts for seqs `rows` from their logits: argmax where greedy, else a keyed draw from
+    q = softmax(logits / T); and q (one-hot where greedy) when the batch has sampled rows. A head with a
+    vocabulary of its own maps its ids to the target's (to_target_ids) and q onto the target's vocab_size."""
+    index = to_device(np.array(rows, dtype=np.int64), logits.device)
+    t, key = temperatures[index, j], keys[index, j]
+    token_ids = sampler.draw(logits, t, key)
+    q = None
+    if sampled:
+        scaled = logits.float() / torch.where(t > 0, t, 1.0).unsqueeze(1)
+        q = torch.where((t > 0).unsqueeze(1), torch.softmax(scaled, dim=-1),
+                        torch.zeros_like(scaled).scatter_(1, token_ids.unsqueeze(1), 1.0))
+    if to_target_ids is not None:
+        token_ids = to_target_ids(token_ids)
+        if q is not None and q.size(1) != vocab_size:
+            ids = to_target_ids(torch.arange(q.size(1), device=q.device))
+            q = q.new_zeros(q.size(0), vocab_size).index_copy_(1, ids, q)
+    return token_ids, q
+
+
+def finish_proposal(drafted: torch.Tensor, lengths: list[int], laws: list, sampled: bool, rank: int
+                    ) -> tuple[list[list[int]], torch.Tensor | None]:
+    """Rank 0: (each sequence's drafts, their laws q in the verification's row order, or None when every
+    drafting row is greedy); other ranks: ([], None)."""
+    if rank != 0:
+        return [], None
+    host = drafted.tolist()
+    drafts = [host[i][:n] for i, n in enumerate(lengths)]
+    if not sampled:
+        return drafts, None
+    # a sequence's rows: one a draft, then its bonus row, whose q is never read
+    firsts = np.concatenate([[0], np.cumsum([n + 1 for n in lengths])])
+    q = torch.zeros(int(firsts[-1]), laws[0][2].size(1), dtype=torch.float32, device=drafted.device)
+    for rows, j, law in laws:
+        q[to_device((firsts[rows] + j).astype(np.int64), drafted.device)] = law
+    return drafts, q

@@ -12,13 +12,14 @@ from nanovllm.utils.loader import load_dummy_weights, load_model
 
 
 def build_model(config: Config, hf_config, path: str, device: torch.device, group: TensorParallelGroup,
-                quant_method: QuantizationMethod | None) -> nn.Module:
-    """hf_config's model with the weights in `path` (or random ones when config.load_format is dummy)."""
+                quant_method: QuantizationMethod | None, factory=None) -> nn.Module:
+    """hf_config's model (factory(hf_config), default its architecture's class) with the weights in `path`
+    (or random ones when config.load_format is dummy)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device), building_with(group), building_with_quantization(quant_method):
-            model = model_class(hf_config)(hf_config)
+            model = (factory or model_class(hf_config))(hf_config)
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":

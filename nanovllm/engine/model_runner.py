@@ -8,6 +8,7 @@ from nanovllm.distributed.group import TensorParallelGroup, rank_device
 from nanovllm.engine import kv_cache as kv, step_inputs, warmup
 from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
 from nanovllm.engine.draft_model import DraftModel
+from nanovllm.engine.eagle3_proposer import Eagle3Proposer
 from nanovllm.engine.model_loading import build_model
 from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sampled_tokens import SampledTokens
@@ -17,7 +18,7 @@ from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.layers.rejection_sampler import DraftRows, RejectionSampler
 from nanovllm.layers.sampler import Sampler
-from nanovllm.utils.context import reset_context
+from nanovllm.utils.context import get_context, reset_context, using_context
 from nanovllm.utils.transfer import list_to_device
 
 
@@ -45,7 +46,7 @@ class ModelRunner:
             torch.cuda.empty_cache()    # else the weights land in a freed engine's cached KV segment and pin it
         self.tp = group or TensorParallelGroup()
         self.graphs: CudaGraphs | None = None   # captured last, unless eager
-        self.draft: DraftModel | None = None    # speculative decoding's draft model, if configured
+        self.draft: DraftModel | Eagle3Proposer | None = None   # speculative decoding's drafter, if configured
         self._draft_probs = None                # rank 0: the laws of the drafts proposed last, for verify
         try:
             self._build()
@@ -71,7 +72,8 @@ class ModelRunner:
         for layer in self._attention_layers():
             layer.ops = self.ops
         if config.draft_hf_config is not None:
-            self.draft = DraftModel(config, self.device, self.tp, self.rank, self.ops)
+            drafter = Eagle3Proposer if config.speculative_config["method"] == "eagle3" else DraftModel
+            self.draft = drafter(config, self.model, self.device, self.tp, self.rank, self.ops)
         if self.device.type == "cuda":
             self.warmup_model()
             if self.rank == 0:
@@ -176,16 +178,21 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(hidden, seqs, computed, prompt_logprob_rows)
         else:
             logits = self.run_model(input_ids, positions, is_prefill, len(computed))
-        if self.draft is not None:      # the draft's K/V of the same tokens (draft_model.py)
-            self.draft.mirror(input_ids, positions)
-        if block_copies:
-            self.copy_blocks(block_copies)
+        context = get_context()
         reset_context()
         step = (seqs, logits, tensors, penalty_rows, prompt_logprobs) if self.rank == 0 else (seqs,)
         if defer_sampling:
+            if block_copies:
+                self.copy_blocks(block_copies)
             self._deferred = step
             return None
-        return self._sample(*step)
+        sampled = self._sample(*step)
+        if self.draft is not None:      # the draft's K/V of the same positions, under the same metadata
+            with using_context(context):
+                self.draft.after_step(input_ids, positions, seqs, computed, self.sampled, finished_seq_ids)
+        if block_copies:                # after the draft's K/V too: a copy carries both caches
+            self.copy_blocks(block_copies)
+        return sampled
 
     @torch.inference_mode()
     def sample_deferred(self, token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -199,8 +206,9 @@ class ModelRunner:
 
     def propose_drafts(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
                        ) -> list[list[int]] | None:
-        """The draft model's lengths[i] drafts for seqs[i], whose slots are reserved, from its tokens
-        first_tokens[i] on (draft_model.py); rank 0 gets them and keeps their laws for the verify() after."""
+        """The drafter's lengths[i] drafts for seqs[i], whose slots are reserved (a draft model computes from
+        the tokens first_tokens[i] on: draft_model.py; an EAGLE-3 head: eagle3_proposer.py); rank 0 gets them
+        and keeps their laws for the verify() after."""
         drafts, self._draft_probs = self.draft.propose(seqs, lengths, first_tokens)
         return drafts if self.rank == 0 else None
 
@@ -221,17 +229,25 @@ class ModelRunner:
                 self.device)
             rows = DraftRows.from_drafts(drafts, self.device)
         logits = self.model.lm_head.logits_of(self.model(input_ids, positions))
+        context = get_context()
         reset_context()
         self.sampled, self.sampled_rows = self.sampled[:0], {}
-        if self.rank != 0:
-            return None
-        draft_probs, self._draft_probs = self._draft_probs, None
-        output, accepted = self.rejection_sampler(logits, tensors, rows, draft_probs)
-        if state_rows is not None:      # count the emitted tokens of the penalized rows
-            p = tensors.penalties.rows
-            emitted = rows.offsets[p] <= accepted[rows.seq_of_row[p]]
-            self.penalty_state.count(state_rows[emitted], output.token_ids[p][emitted])
-        return SampledTokens(output), accepted
+        output = accepted = None
+        if self.rank == 0:
+            draft_probs, self._draft_probs = self._draft_probs, None
+            output, accepted = self.rejection_sampler(logits, tensors, rows, draft_probs)
+            if state_rows is not None:      # count the emitted tokens of the penalized rows
+                p = tensors.penalties.rows
+                emitted = rows.offsets[p] <= accepted[rows.seq_of_row[p]]
+                self.penalty_state.count(state_rows[emitted], output.token_ids[p][emitted])
+        if self.draft is not None and self.draft.reads_verification:    # an EAGLE-3 head: every rank
+            token_ids = output.token_ids if self.rank == 0 else input_ids.new_empty(len(input_ids))
+            accepted = accepted if self.rank == 0 else input_ids.new_empty(len(seqs))
+            self.tp.broadcast_from_first(token_ids)
+            self.tp.broadcast_from_first(accepted)
+            with using_context(context):
+                self.draft.after_verify(positions, seqs, drafts, token_ids, accepted, finished_seq_ids)
+        return (SampledTokens(output), accepted) if self.rank == 0 else None
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None = None, tensors=None, penalty_rows=None,
                 prompt_logprobs=None) -> SampledTokens | None:

@@ -76,7 +76,7 @@ class SpeculativeDecoding:
         spec = config.speculative_config
         self.k = spec["num_speculative_tokens"]
         self.draft_model = draft_model
-        self.proposer = None if spec["method"] == "draft_model" else NgramProposer(
+        self.proposer = None if spec["method"] != "ngram" else NgramProposer(
             self.k, spec["prompt_lookup_min"], spec["prompt_lookup_max"])
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager

@@ -20,14 +20,15 @@ from nanovllm.distributed.group import current_group
 class LlamaAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, input_size: int | None = None):
+        """input_size: the width q/k/v are projected from (default hidden_size; EAGLE-3's layer reads two)."""
         super().__init__()
         tp_size = current_group().size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         theta, scaling = rope_parameters(config)
@@ -100,9 +101,25 @@ class LlamaModel(nn.Module):
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+        # EAGLE-3 drafts read the residual stream entering a few layers: set_aux_hidden_layers
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
+
+    def set_aux_hidden_layers(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        """Each forward also writes the residual stream entering layers `layer_ids`, side by side, into
+        aux_hidden_states[:num_tokens] (a buffer of max_tokens rows: CUDA graphs replay the copy into it)."""
+        self.aux_hidden_layers = tuple(layer_ids)
+        width = len(layer_ids) * self.embed_tokens.weight.size(1)
+        self.aux_hidden_states = self.embed_tokens.weight.new_empty(max_tokens, width)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                width = hidden_states.size(1)
+                column = self.aux_hidden_layers.index(i) * width
+                entering = hidden_states if residual is None else hidden_states + residual
+                self.aux_hidden_states[:len(entering), column:column + width].copy_(entering)
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

@@ -1,4 +1,5 @@
 """The per-step attention metadata, set by the ModelRunner around each forward and read by Attention."""
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,3 +34,14 @@ def set_context(is_prefill: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seql
 def reset_context() -> None:
     global _CONTEXT
     _CONTEXT = Context()
+
+
+@contextmanager
+def using_context(context: Context):
+    """A step's context set again for a while (a speculative draft runs under its target step's metadata)."""
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, context
+    try:
+        yield context
+    finally:
+        _CONTEXT = previous

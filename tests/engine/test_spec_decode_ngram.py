@@ -48,7 +48,7 @@ def test_the_proposer_caps_each_sequence_and_follows_it_as_it_grows():
 @pytest.mark.parametrize("config, words", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "draft_model needs model"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' is not implemented yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "eagle3 needs model"),
     ({"num_speculative_tokens": 2}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),

@@ -1,0 +1,180 @@
+"""Speculative decoding with an EAGLE-3 head (speculative_config method "eagle3"): a one-layer draft head
+(models/eagle3.py) that reads the target's residual stream entering three of its layers, so that one cheap
+layer drafts nearly as the whole target would.
+
+The head's K/V at position p come from token p + 1 and the target's hidden state at p, so they can be written
+only once token p + 1 is known: after each target step samples. ModelRunner.run hands every prefill and decode
+step to `after_step` (the tokens each position was followed by: the prompt's next ones, and at the end the
+token just sampled), and ModelRunner.verify hands a verification to `after_verify` (each row followed by the
+token emitted there; rows past a rejection write K/V that later steps overwrite, as the target's). Either way
+the head's K/V are complete wherever the target's are, in a second paged cache under the target's block ids
+(as a draft model's: draft_model.py), and the head's output at each sequence's last position is kept (a table
+of rows per sequence, on every rank): that output drafts token 1. Drafting token j + 1 then runs the head on
+draft j at its position (its slot reserved) with the head's own previous output as the hidden state.
+
+A head with a vocabulary of its own (d2t) drafts in it; drafts and their laws q are mapped onto the target's
+vocabulary for the rejection sampler (draft_model.draw_drafts)."""
+import numpy as np
+import torch
+from torch import nn
+
+from nanovllm.config import Config
+from nanovllm.distributed.group import TensorParallelGroup
+from nanovllm.engine import kv_cache as kv
+from nanovllm.engine.draft_model import draw_drafts, draw_inputs, finish_proposal
+from nanovllm.engine.model_loading import build_model
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import prepare_segments
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.eagle3 import Eagle3Head, aux_hidden_layer_ids
+from nanovllm.utils.context import get_context, reset_context
+from nanovllm.utils.transfer import to_device
+
+NEXT_SAMPLED = -1      # a position followed by the token its step samples
+
+
+class Eagle3Proposer:
+    """An EAGLE-3 head beside the target on one rank, its KV cache, and each sequence's last output."""
+
+    reads_verification = True       # its K/V need the tokens a verification emits
+
+    def __init__(self, config: Config, target: nn.Module, device: torch.device, group: TensorParallelGroup,
+                 rank: int, ops):
+        self.config, self.device, self.tp, self.rank = config, device, group, rank
+        self.block_size = config.kvcache_block_size
+        head_config, target_config = config.draft_hf_config, config.hf_config
+        self.model = build_model(config, head_config, config.speculative_config["model"], device, group, None,
+                                 lambda hf: Eagle3Head(hf, target_config.hidden_size))
+        self.model.embed_tokens.append(target.model.embed_tokens)
+        layer_ids = aux_hidden_layer_ids(head_config, target_config.num_hidden_layers)
+        target.model.set_aux_hidden_layers(layer_ids, max(config.max_num_batched_tokens, config.max_num_seqs))
+        self.aux = target.model
+        for layer in self.attention_layers():
+            layer.ops = ops
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler()
+        self.vocab_size = target_config.vocab_size
+        # each live sequence's row in `last`: the head's output (before its norm) at its last position
+        self.rows: dict[int, int] = {}
+        self.free: list[int] = []
+        self.last = torch.zeros(0, head_config.hidden_size, dtype=config.dtype, device=device)
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = kv.allocate_kv_cache(self.config, num_blocks, self.device, self.attention_layers(),
+                                             self.config.draft_hf_config)
+
+    def exit(self) -> None:
+        for layer in self.attention_layers():
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+
+    # ---- each sequence's last output ---------------------------------------------------------------
+    def _rows_for(self, seq_ids: list[int]) -> torch.Tensor:
+        for seq_id in seq_ids:
+            if seq_id not in self.rows:
+                if not self.free:
+                    old = len(self.last)
+                    self.last = torch.cat([self.last, self.last.new_zeros(max(8, old), self.last.size(1))])
+                    self.free.extend(range(len(self.last) - 1, old - 1, -1))
+                self.rows[seq_id] = self.free.pop()
+        return to_device(np.array([self.rows[s] for s in seq_ids], dtype=np.int64), self.device)
+
+    def _release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.free.append(row)
+
+    # ---- after the target's steps ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
+                   computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
+        """The head's K/V of a prefill or decode step's positions (under its metadata), each read with the
+        token after it; the output at each sequence's last position kept (children split off a prompt in
+        this step take their parent's)."""
+        self._release(finished_seq_ids)
+        num_tokens = len(input_ids)
+        if not get_context().is_prefill:            # decode: each position is followed by its sampled token
+            following, ends = sampled, list(range(len(seqs)))
+            owners = seqs
+        else:
+            index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+            following, ends, owners, offset = [], [], [], 0
+            for seq in computed:
+                start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+                following.extend(seq[start + 1:end])
+                following.append(NEXT_SAMPLED if end == seq.num_tokens else seq[end])
+                offset += end - start
+                if end == seq.num_tokens:           # the prompt is done: its last output drafts next
+                    ends.append(offset - 1)
+                    owners.append(seq)
+            following = to_device(np.array(following, dtype=np.int64), self.device)
+            rows_of = to_device(np.repeat([index[s.seq_id] for s in computed],
+                                          [s.num_scheduled_tokens for s in computed]).astype(np.int64), self.device)
+            following = torch.where(following == NEXT_SAMPLED, sampled[rows_of], following)
+            # a completion split off a prompt in this step (n > 1) follows its parent in the batch (as its
+            # logits row does): it shares the parent's output
+            parent, ending = None, {seq.seq_id for seq in owners}
+            for seq in seqs:
+                if seq.num_scheduled_tokens:
+                    parent = seq
+                elif parent is not None and parent.seq_id in ending:
+                    ends.append(ends[owners.index(parent)])
+                    owners.append(seq)
+        _, before_norm = self.model(following, positions, self.aux.aux_hidden_states[:num_tokens], True)
+        if owners:
+            rows = self._rows_for([s.seq_id for s in owners])      # may grow the table: before indexing it
+            self.last[rows] = before_norm[to_device(np.array(ends, dtype=np.int64), self.device)]
+
+    @torch.inference_mode()
+    def after_verify(self, positions: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                     token_ids: torch.Tensor, accepted: torch.Tensor, finished_seq_ids: list[int]) -> None:
+        """The head's K/V of a verification's rows, each read with the token emitted there; each sequence's
+        output at its last accepted position kept."""
+        self._release(finished_seq_ids)
+        _, before_norm = self.model(token_ids, positions, self.aux.aux_hidden_states[:len(token_ids)], True)
+        firsts = to_device(np.concatenate([[0], np.cumsum([len(d) + 1 for d in drafts])[:-1]]).astype(np.int64),
+                           self.device)
+        rows = self._rows_for([s.seq_id for s in seqs])
+        self.last[rows] = before_norm[firsts + accepted]
+
+    # ---- drafting ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
+                ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """lengths[i] drafts for seqs[i] (their slots reserved); see DraftModel.propose for what each rank
+        gets. first_tokens: unused (the head's K/V are complete up to the last token)."""
+        active = [i for i, n in enumerate(lengths) if n > 0]
+        if not active:
+            return [[] for _ in seqs], None
+        rounds = max(lengths)
+        drafted = torch.empty(len(seqs), rounds, dtype=torch.int64, device=self.device)
+        temperatures, keys = draw_inputs(seqs, rounds, self.device) if self.rank == 0 else (None, None)
+        sampled = self.rank == 0 and bool((temperatures > 0).any())
+        laws = []
+        hidden = self.last[self._rows_for([seqs[i].seq_id for i in active])]
+        normed = self.model.norm(hidden)
+        rows = active
+        for j in range(rounds):
+            if j > 0:           # draft j at its position, with the head's output before it as the hidden state
+                keep = [k for k, i in enumerate(rows) if lengths[i] > j]
+                rows, hidden = [rows[k] for k in keep], hidden[keep]
+                batch = [seqs[i] for i in rows]
+                positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
+                                             self.block_size, self.device)
+                normed, hidden = self.model(drafted[rows, j - 1], positions, hidden, False)
+                reset_context()
+            logits = self.model.lm_head.logits_of(normed)
+            token_ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            if self.rank == 0:
+                token_ids, q = draw_drafts(self.sampler, logits, rows, j, temperatures, keys, sampled,
+                                           self.model.to_target_ids, self.vocab_size)
+                if q is not None:
+                    laws.append((rows, j, q))
+            self.tp.broadcast_from_first(token_ids)
+            drafted[rows, j] = token_ids
+        return finish_proposal(drafted, lengths, laws, sampled, self.rank)
