@@ -222,11 +222,7 @@ class Config:
         if draft.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocab_size ({draft.vocab_size}) differs from "
                              f"the target's ({self.hf_config.vocab_size}): a draft must share the vocabulary")
-        tp = self.tensor_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(draft, name) % tp:
-                raise ValueError(f"speculative_config: the draft model's {name} ({getattr(draft, name)}) is not "
-                                 f"divisible by tensor_parallel_size ({tp})")
+        self._check_draft_heads(draft, "the draft model")
         self.draft_hf_config = draft
 
     def _check_eagle3_head(self, head) -> None:
@@ -252,12 +248,16 @@ class Config:
             aux_hidden_layer_ids(head, self.hf_config.num_hidden_layers)
         except ValueError as error:
             raise ValueError(f"speculative_config: {error}") from None
+        self._check_draft_heads(head, "the EAGLE-3 head")
+        self.draft_hf_config = head
+
+    def _check_draft_heads(self, draft, what: str) -> None:
+        """A drafter is split over the target's tensor-parallel ranks: its heads must divide among them."""
         tp = self.tensor_parallel_size
         for name in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(head, name) % tp:
-                raise ValueError(f"speculative_config: the EAGLE-3 head's {name} ({getattr(head, name)}) is not "
+            if getattr(draft, name) % tp:
+                raise ValueError(f"speculative_config: {what}'s {name} ({getattr(draft, name)}) is not "
                                  f"divisible by tensor_parallel_size ({tp})")
-        self.draft_hf_config = head
 
     def _resolve_device(self) -> None:
         import torch

@@ -37,21 +37,19 @@ from nanovllm.utils.transfer import to_device
 DRAFT_SALT = 0x5EED_D4AF      # a draft's draw keys differ from the verification's keys at the same position
 
 
-class DraftModel:
-    """The draft model of one rank and its KV cache (see the module's docstring)."""
+class Drafter:
+    """What a drafter holds on one rank: its model, built as the target is but unquantized (a quantized
+    target's method and its checkpoint's scales describe the target alone), a KV cache under the target's
+    block ids (kv_cache.block_bytes counted both), and a sampler for its draws."""
 
-    reads_verification = False      # its drafting writes the drafts' K/V itself (see the module's docstring)
+    reads_verification = False      # whether verify() hands it the emitted tokens (after_verify)
 
-    def __init__(self, config: Config, target: torch.nn.Module, device: torch.device, group: TensorParallelGroup,
-                 rank: int, ops):
-        self.config = config
-        self.device = device
-        self.tp = group
-        self.rank = rank
+    def __init__(self, config: Config, device: torch.device, group: TensorParallelGroup, rank: int, ops,
+                 factory=None):
+        self.config, self.device, self.tp, self.rank = config, device, group, rank
         self.block_size = config.kvcache_block_size
-        # unquantized: a quantized target's method (and its checkpoint's scales) describe the target alone
         self.model = build_model(config, config.draft_hf_config, config.speculative_config["model"], device, group,
-                                 None)
+                                 None, factory)
         for layer in self.attention_layers():
             layer.ops = ops
         self.kv_cache: torch.Tensor | None = None
@@ -61,7 +59,6 @@ class DraftModel:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """As many blocks as the target's, in the draft's shape (kv_cache.block_bytes counted both)."""
         self.kv_cache = kv.allocate_kv_cache(self.config, num_blocks, self.device, self.attention_layers(),
                                              self.config.draft_hf_config)
 
@@ -71,24 +68,14 @@ class DraftModel:
         self.kv_cache = None
 
     @torch.inference_mode()
-    def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
-                   computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
-        """The draft's K/V of the tokens a target step (prefill or decode) computed, under its attention
-        metadata (the caller sets it again)."""
-        self.model(input_ids, positions)
-
-    def after_verify(self, *args) -> None:
-        """Nothing: the drafts' K/V were written as they were drafted."""
-
-    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
                 ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """lengths[i] drafts for seqs[i] (their slots reserved), computed from its tokens first_tokens[i]
-        (from num_cached_tokens - 1 to its last: a worker's copy of a decode sequence holds its last token
-        alone) on. Rank 0 gets (the drafts, q): q [R, vocab]
-        float32, row j of seqs[i]'s rows (in the verification's order: len(drafts[i]) + 1 rows each) the law
-        draft j + 1 was drawn from; None when every drafting row is greedy (a one-hot q: the verification
-        then needs none). Other ranks get ([], None)."""
+        """lengths[i] drafts for seqs[i] (their slots reserved), round by round (_round_logits: the drafter's
+        logits of the sequences still drafting). first_tokens[i]: seqs[i]'s tokens from num_cached_tokens - 1
+        on (a worker's copy of a decode sequence holds its last token alone). Rank 0 gets (the drafts, q):
+        q [R, vocab] float32, row j of seqs[i]'s rows (in the verification's order: len(drafts[i]) + 1 rows
+        each) the law draft j + 1 was drawn from; None when every drafting row is greedy (a one-hot q: the
+        verification then needs none). Other ranks get ([], None)."""
         active = [i for i, n in enumerate(lengths) if n > 0]
         if not active:
             return [[] for _ in seqs], None
@@ -99,26 +86,54 @@ class DraftModel:
         laws = []       # (rows of seqs, round, q [rows, vocab]) of the sampled drafts
         for j in range(rounds):
             rows = [i for i in active if lengths[i] > j]
-            batch = [seqs[i] for i in rows]
-            if j == 0:      # from one token back (see the module's docstring) to the last token
-                firsts = [first_tokens[i] for i in rows]
-                positions = prepare_segments(batch, [seq.num_tokens - len(f) for seq, f in zip(batch, firsts)],
-                                             [len(f) for f in firsts], self.block_size, self.device)
-                input_ids = to_device(np.array([t for f in firsts for t in f], dtype=np.int64), self.device)
-            else:           # each sequence's draft j at its position
-                positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
-                                             self.block_size, self.device)
-                input_ids = drafted[rows, j - 1]
-            logits = self.model.compute_logits(self.model(input_ids, positions))
-            reset_context()
+            logits = self._round_logits(j, rows, seqs, first_tokens, drafted)
             token_ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             if self.rank == 0:
-                token_ids, q = draw_drafts(self.sampler, logits, rows, j, temperatures, keys, sampled)
+                token_ids, q = draw_drafts(self.sampler, logits, rows, j, temperatures, keys, sampled,
+                                           self.to_target_ids, self.config.hf_config.vocab_size)
                 if q is not None:
                     laws.append((rows, j, q))
-            self.tp.broadcast_from_first(token_ids)     # every rank feeds them to its next pass
+            self.tp.broadcast_from_first(token_ids)     # every rank feeds them to its next round
             drafted[rows, j] = token_ids
         return finish_proposal(drafted, lengths, laws, sampled, self.rank)
+
+    to_target_ids = None            # a drafter with a vocabulary of its own maps its ids to the target's
+
+
+class DraftModel(Drafter):
+    """The draft model of one rank and its KV cache (see the module's docstring): its drafting writes the
+    drafts' K/V itself."""
+
+    def __init__(self, config: Config, target: torch.nn.Module, device: torch.device, group: TensorParallelGroup,
+                 rank: int, ops):
+        super().__init__(config, device, group, rank, ops)
+
+    @torch.inference_mode()
+    def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
+                   computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
+        """The draft's K/V of the tokens a target step (prefill or decode) computed, under its attention
+        metadata (the caller sets it again)."""
+        self.model(input_ids, positions)
+
+    def after_verify(self, *args) -> None:
+        """Nothing: the drafts' K/V were written as they were drafted."""
+    def _round_logits(self, j: int, rows: list[int], seqs: list[Sequence], first_tokens: list[list[int]],
+                      drafted: torch.Tensor) -> torch.Tensor | None:
+        """Round 0 computes each sequence from one token back (see the module's docstring) to its last token;
+        round j its draft j at its position."""
+        batch = [seqs[i] for i in rows]
+        if j == 0:
+            firsts = [first_tokens[i] for i in rows]
+            positions = prepare_segments(batch, [seq.num_tokens - len(f) for seq, f in zip(batch, firsts)],
+                                         [len(f) for f in firsts], self.block_size, self.device)
+            input_ids = to_device(np.array([t for f in firsts for t in f], dtype=np.int64), self.device)
+        else:
+            positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
+                                         self.block_size, self.device)
+            input_ids = drafted[rows, j - 1]
+        logits = self.model.compute_logits(self.model(input_ids, positions))
+        reset_context()
+        return logits
 
 
 def draw_inputs(seqs: list[Sequence], rounds: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

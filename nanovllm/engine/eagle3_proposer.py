@@ -20,13 +20,9 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.distributed.group import TensorParallelGroup
-from nanovllm.engine import kv_cache as kv
-from nanovllm.engine.draft_model import draw_drafts, draw_inputs, finish_proposal
-from nanovllm.engine.model_loading import build_model
+from nanovllm.engine.draft_model import Drafter
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import prepare_segments
-from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
 from nanovllm.models.eagle3 import Eagle3Head, aux_hidden_layer_ids
 from nanovllm.utils.context import get_context, reset_context
 from nanovllm.utils.transfer import to_device
@@ -34,43 +30,25 @@ from nanovllm.utils.transfer import to_device
 NEXT_SAMPLED = -1      # a position followed by the token its step samples
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(Drafter):
     """An EAGLE-3 head beside the target on one rank, its KV cache, and each sequence's last output."""
 
     reads_verification = True       # its K/V need the tokens a verification emits
 
     def __init__(self, config: Config, target: nn.Module, device: torch.device, group: TensorParallelGroup,
                  rank: int, ops):
-        self.config, self.device, self.tp, self.rank = config, device, group, rank
-        self.block_size = config.kvcache_block_size
         head_config, target_config = config.draft_hf_config, config.hf_config
-        self.model = build_model(config, head_config, config.speculative_config["model"], device, group, None,
-                                 lambda hf: Eagle3Head(hf, target_config.hidden_size))
+        super().__init__(config, device, group, rank, ops, lambda hf: Eagle3Head(hf, target_config.hidden_size))
         self.model.embed_tokens.append(target.model.embed_tokens)
         layer_ids = aux_hidden_layer_ids(head_config, target_config.num_hidden_layers)
         target.model.set_aux_hidden_layers(layer_ids, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.aux = target.model
-        for layer in self.attention_layers():
-            layer.ops = ops
-        self.kv_cache: torch.Tensor | None = None
-        self.sampler = Sampler()
         self.vocab_size = target_config.vocab_size
         # each live sequence's row in `last`: the head's output (before its norm) at its last position
         self.rows: dict[int, int] = {}
         self.free: list[int] = []
         self.last = torch.zeros(0, head_config.hidden_size, dtype=config.dtype, device=device)
-
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = kv.allocate_kv_cache(self.config, num_blocks, self.device, self.attention_layers(),
-                                             self.config.draft_hf_config)
-
-    def exit(self) -> None:
-        for layer in self.attention_layers():
-            layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = None
+        self._rows, self._hidden = [], None     # a proposal's drafting sequences and their last outputs
 
     # ---- each sequence's last output ---------------------------------------------------------------
     def _rows_for(self, seq_ids: list[int]) -> torch.Tensor:
@@ -143,38 +121,23 @@ class Eagle3Proposer:
         self.last[rows] = before_norm[firsts + accepted]
 
     # ---- drafting ------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
-                ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """lengths[i] drafts for seqs[i] (their slots reserved); see DraftModel.propose for what each rank
-        gets. first_tokens: unused (the head's K/V are complete up to the last token)."""
-        active = [i for i, n in enumerate(lengths) if n > 0]
-        if not active:
-            return [[] for _ in seqs], None
-        rounds = max(lengths)
-        drafted = torch.empty(len(seqs), rounds, dtype=torch.int64, device=self.device)
-        temperatures, keys = draw_inputs(seqs, rounds, self.device) if self.rank == 0 else (None, None)
-        sampled = self.rank == 0 and bool((temperatures > 0).any())
-        laws = []
-        hidden = self.last[self._rows_for([seqs[i].seq_id for i in active])]
-        normed = self.model.norm(hidden)
-        rows = active
-        for j in range(rounds):
-            if j > 0:           # draft j at its position, with the head's output before it as the hidden state
-                keep = [k for k, i in enumerate(rows) if lengths[i] > j]
-                rows, hidden = [rows[k] for k in keep], hidden[keep]
-                batch = [seqs[i] for i in rows]
-                positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
-                                             self.block_size, self.device)
-                normed, hidden = self.model(drafted[rows, j - 1], positions, hidden, False)
-                reset_context()
-            logits = self.model.lm_head.logits_of(normed)
-            token_ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-            if self.rank == 0:
-                token_ids, q = draw_drafts(self.sampler, logits, rows, j, temperatures, keys, sampled,
-                                           self.model.to_target_ids, self.vocab_size)
-                if q is not None:
-                    laws.append((rows, j, q))
-            self.tp.broadcast_from_first(token_ids)
-            drafted[rows, j] = token_ids
-        return finish_proposal(drafted, lengths, laws, sampled, self.rank)
+    def _round_logits(self, j: int, rows: list[int], seqs: list[Sequence], first_tokens: list[list[int]],
+                      drafted: torch.Tensor) -> torch.Tensor | None:
+        """Round 0: from each sequence's kept output; round j: the head on draft j at its position, with its
+        own output before it as the hidden state (first_tokens: unused, the head's K/V are complete)."""
+        if j == 0:
+            index = self._rows_for([seqs[i].seq_id for i in rows])     # may grow the table: before indexing it
+            self._rows, self._hidden = rows, self.last[index]
+            normed = self.model.norm(self._hidden)
+        else:
+            keep = to_device(np.array([self._rows.index(i) for i in rows], dtype=np.int64), self.device)
+            batch = [seqs[i] for i in rows]
+            positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
+                                         self.block_size, self.device)
+            normed, self._hidden = self.model(drafted[rows, j - 1], positions, self._hidden[keep], False)
+            reset_context()
+            self._rows = rows
+        return self.model.lm_head.logits_of(normed)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.to_target_ids(draft_ids)

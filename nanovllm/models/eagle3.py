@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.models.llama import LlamaAttention, LlamaMLP
+from nanovllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -59,13 +59,7 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config: PretrainedConfig, target_hidden_size: int):
         super().__init__()

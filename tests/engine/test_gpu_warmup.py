@@ -52,3 +52,31 @@ def test_speculative_verification_compiles_nothing_after_start_up(make_checkpoin
                     llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["spec_decode_draft_tokens"] > 0
     assert_none_compiled(compiled)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(make_checkpoint, tmp_path, method):
+    """A draft model (two layers of the target's shape) or an EAGLE-3 head (random, with a draft vocabulary
+    of its own) drafts every step: its passes, its LM head and the verification's general rule are compiled
+    at start-up, and greedy requests get plain decoding's tokens (bf16: where the verification's logits and
+    the decode step's agree to the last bit, which random models' margins make nearly everywhere)."""
+    from benchmarks.random_checkpoint import write_random_eagle3_head
+    model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
+    if method == "draft_model":
+        draft = make_checkpoint(dtype=torch.bfloat16, device="cuda", **{**QWEN3_0_6B, "num_hidden_layers": 2})
+    else:
+        draft = write_random_eagle3_head(tmp_path / "head", model_dir, draft_vocab_size=32000, dtype=torch.bfloat16)
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    prompts = random_prompts(40, seed=13, lengths=(1, 1500))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.3) as llm:
+        expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
+        with recorded_compilations() as compiled:
+            outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            for options in (dict(temperature=0.8, top_p=0.9, logprobs=2), dict(temperature=0.6, seed=3, n=2)):
+                for batch in (prompts[:1], prompts[:3], prompts[:40]):
+                    llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
+            assert llm.stats["spec_decode_draft_tokens"] > 0
+    assert_none_compiled(compiled)
+    assert sum(o == e for o, e in zip(outputs, expected)) >= len(prompts) - 2

@@ -30,13 +30,9 @@ def test_tp2_with_drafts_gives_the_tokens_of_one_rank_without(make_checkpoint):
     assert [o["outputs"] for o in outputs] == [o["outputs"] for o in expected]
 
 
-def test_tp2_with_a_draft_model_gives_what_one_rank_gives(make_checkpoint):
-    """The draft model is split over the ranks as the target is: every rank drafts (rank 0 draws and hands
-    the drafts on), and the tokens are the one-rank engine's with the same draft: greedy ones those of plain
-    decoding, seeded ones the same draws."""
-    model = str(make_checkpoint(**SHAPE))
-    draft = str(make_checkpoint(**{**SHAPE, "num_hidden_layers": 1, "seed": 9}))
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+def assert_tp2_drafts_as_one_rank(model: str, spec: dict) -> None:
+    """Two ranks with a drafter give the one-rank engine's outputs with the same drafter (greedy and seeded
+    with penalties), and greedy ones are plain decoding's."""
     settings = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
     prompts = [p for p in PROMPTS for _ in PARAMS]
     params = PARAMS * len(PROMPTS)
@@ -49,24 +45,22 @@ def test_tp2_with_a_draft_model_gives_what_one_rank_gives(make_checkpoint):
         assert two.stats["spec_decode_draft_tokens"] > 0
     assert [o["outputs"] for o in outputs] == [o["outputs"] for o in expected]
     assert [o["outputs"] for o in outputs[::len(PARAMS)]] == [o["outputs"] for o in greedy]
+
+
+def test_tp2_with_a_draft_model_gives_what_one_rank_gives(make_checkpoint):
+    """The draft model is split over the ranks as the target is: every rank drafts (rank 0 draws and hands
+    the drafts on)."""
+    draft = str(make_checkpoint(**{**SHAPE, "num_hidden_layers": 1, "seed": 9}))
+    assert_tp2_drafts_as_one_rank(str(make_checkpoint(**SHAPE)),
+                                  {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                   "adaptive": False})
 
 
 def test_tp2_with_an_eagle3_head_gives_what_one_rank_gives(make_checkpoint, tmp_path):
-    """An EAGLE-3 head is split over the ranks as the target is, reads the target's hidden states on each
-    rank, and drafts the same tokens: the outputs are the one-rank engine's with the same head."""
+    """An EAGLE-3 head is split over the ranks as the target is and reads the target's hidden states on
+    each rank (the emitted tokens of a verification broadcast to every rank)."""
     from benchmarks.random_checkpoint import write_random_eagle3_head
     model = str(make_checkpoint(**{**SHAPE, "num_hidden_layers": 4}))
     head = str(write_random_eagle3_head(tmp_path / "head", model, draft_vocab_size=200, aux_layer_ids=[0, 2, 3]))
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
-    settings = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
-    prompts = [p for p in PROMPTS for _ in PARAMS]
-    params = PARAMS * len(PROMPTS)
-    with LLM(model, **settings) as plain:
-        greedy = plain.generate(PROMPTS, PARAMS[0], use_tqdm=False)
-    with LLM(model, speculative_config=spec, **settings) as one:
-        expected = one.generate(prompts, params, use_tqdm=False)
-    with LLM(model, tensor_parallel_size=2, speculative_config=spec, **settings) as two:
-        outputs = two.generate(prompts, params, use_tqdm=False)
-        assert two.stats["spec_decode_draft_tokens"] > 0
-    assert [o["outputs"] for o in outputs] == [o["outputs"] for o in expected]
-    assert [o["outputs"] for o in outputs[::len(PARAMS)]] == [o["outputs"] for o in greedy]
+    assert_tp2_drafts_as_one_rank(model, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                                          "adaptive": False})
