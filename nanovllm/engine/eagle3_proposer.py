@@ -8,9 +8,15 @@ step to `after_step` (the tokens each position was followed by: the prompt's nex
 token just sampled), and ModelRunner.verify hands a verification to `after_verify` (each row followed by the
 token emitted there; rows past a rejection write K/V that later steps overwrite, as the target's). Either way
 the head's K/V are complete wherever the target's are, in a second paged cache under the target's block ids
-(as a draft model's: draft_model.py), and the head's output at each sequence's last position is kept (a table
-of rows per sequence, on every rank): that output drafts token 1. Drafting token j + 1 then runs the head on
-draft j at its position (its slot reserved) with the head's own previous output as the hidden state.
+(as a draft model's: draft_model.py), and the head's output at each sequence's last computed position L - 2
+(read with its last token, L tokens in all) is kept (a table of rows per sequence, on every rank): that output
+drafts token 1. Drafting token j + 1 then runs the head on draft j at position L + j - 2 (the last token's
+slot, then reserved ones) with the head's own previous output as the hidden state.
+
+Where it departs from EAGLE-3 (drafts and acceptance only; outputs keep their exact law): completions split
+off a prompt (n > 1) take their parent's output and K/V at the prompt's last position, read with the parent's
+first token; and a prefix-cache hit keeps the head's K/V at a block's last position as read with the token
+that followed the block when it was written (the block's hash does not cover that token).
 
 A head with a vocabulary of its own (d2t) drafts in it; drafts and their laws q are mapped onto the target's
 vocabulary for the rejection sampler (draft_model.draw_drafts)."""
@@ -123,8 +129,9 @@ class Eagle3Proposer(Drafter):
     # ---- drafting ------------------------------------------------------------------------------------------
     def _round_logits(self, j: int, rows: list[int], seqs: list[Sequence], first_tokens: list[list[int]],
                       drafted: torch.Tensor) -> torch.Tensor | None:
-        """Round 0: from each sequence's kept output; round j: the head on draft j at its position, with its
-        own output before it as the hidden state (first_tokens: unused, the head's K/V are complete)."""
+        """Round 0: from each sequence's kept output (at position L - 2, read with its last token); round j:
+        the head on draft j at position L + j - 2, with its own output before it as the hidden state
+        (first_tokens: unused, the head's K/V are complete)."""
         if j == 0:
             index = self._rows_for([seqs[i].seq_id for i in rows])     # may grow the table: before indexing it
             self._rows, self._hidden = rows, self.last[index]
@@ -132,7 +139,9 @@ class Eagle3Proposer(Drafter):
         else:
             keep = to_device(np.array([self._rows.index(i) for i in rows], dtype=np.int64), self.device)
             batch = [seqs[i] for i in rows]
-            positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
+            # draft j follows the last token (position L - 1, whose K/V the target computes next): the head
+            # reads it at position L + j - 2, the position before it (the head's position p reads token p + 1)
+            positions = prepare_segments(batch, [seq.num_tokens + j - 2 for seq in batch], [1] * len(batch),
                                          self.block_size, self.device)
             normed, self._hidden = self.model(drafted[rows, j - 1], positions, self._hidden[keep], False)
             reset_context()

@@ -63,6 +63,11 @@ def warmup_verify(runner) -> None:
                                                                  device=runner.device))
         if runner.rank == 0:
             draft_probs = torch.zeros(len(hidden), draft_hf.vocab_size, dtype=torch.float32, device=runner.device)
+            # the drafts' draws over the drafter's own vocabulary (an EAGLE-3 head's may be smaller)
+            draft_vocab = getattr(runner.draft.model, "draft_vocab_size", draft_hf.vocab_size)
+            runner.draft.sampler.draw(torch.zeros(2, draft_vocab, dtype=config.dtype, device=runner.device),
+                                      torch.tensor([0.0, 1.0], device=runner.device),
+                                      torch.arange(2, device=runner.device))
     if runner.rank != 0:
         return
     seqs = [Sequence([0], COSTLIEST, runner.block_size) for _ in range(num_seqs)]
@@ -100,6 +105,8 @@ def warmup_cached_paths(runner) -> None:
     runner.run([seq], True)
     seq.num_cached_tokens = block_size
     runner.run([seq], False)                # before any graph is captured: eager
+    if runner.draft is not None:
+        _warm_eager_decodes(runner)
     # one token after a long cached prefix: the prefill kernel's tiles for long key ranges
     long_prefix = SHORT_KEYS + 1
     num_blocks = long_prefix // block_size + 1
@@ -108,3 +115,23 @@ def warmup_cached_paths(runner) -> None:
         seq.block_table = list(range(num_blocks))
         seq.num_cached_tokens, seq.num_scheduled_tokens = long_prefix, 1
         runner.run([seq], True)
+
+
+def _warm_eager_decodes(runner) -> None:
+    """A drafter runs its decode steps eagerly (the target replays graphs with fixed buffers), so its
+    attention meets the variants Triton compiles by the step's layout: batches of 1, 2 and 4 sequences (the
+    inputs' columns start 4, 8 or 16 bytes into one buffer: step_inputs.prepare_decode) over block tables
+    1, 2 and 16 blocks wide (a stride of 1 and a multiple of 16 are variants of their own)."""
+    block_size = runner.block_size
+    most = min(runner.num_kvcache_blocks, -(-runner.config.max_model_len // block_size))
+    for width in (1, 2, 16):
+        if width > most:
+            continue
+        for num_seqs in (1, 2, 4):
+            seqs = []
+            for _ in range(num_seqs):
+                seq = Sequence([0] * (width * block_size), SamplingParams(), block_size)
+                seq.block_table = list(range(width))    # scratch blocks: the scheduler has handed out nothing yet
+                seq.num_cached_tokens = width * block_size - 1
+                seqs.append(seq)
+            runner.run(seqs, False)

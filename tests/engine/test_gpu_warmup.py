@@ -57,9 +57,13 @@ def test_speculative_verification_compiles_nothing_after_start_up(make_checkpoin
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(make_checkpoint, tmp_path, method):
     """A draft model (two layers of the target's shape) or an EAGLE-3 head (random, with a draft vocabulary
-    of its own) drafts every step: its passes, its LM head and the verification's general rule are compiled
-    at start-up, and greedy requests get plain decoding's tokens (bf16: where the verification's logits and
-    the decode step's agree to the last bit, which random models' margins make nearly everywhere)."""
+    of its own) drafts every step: its passes, its LM head, its draws and the verification's general rule are
+    compiled at start-up. Greedy tokens are plain decoding's up to bf16 rounding: the verification reads the
+    KV cache with the prefill kernel, plain decoding with the decode kernel, and a random model's top two
+    logits are often within their difference (on the H100 about half of these 12-token completions part
+    somewhere, on ties as close as 0.03 between the top logits). So where a completion first departs from
+    plain decoding's, a fresh prefill of the same tokens before must rank the speculative token within a
+    near tie (0.25) of its best."""
     from benchmarks.random_checkpoint import write_random_eagle3_head
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
     if method == "draft_model":
@@ -69,8 +73,6 @@ def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(m
     spec = {"method": method, "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
     prompts = random_prompts(40, seed=13, lengths=(1, 1500))
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.3) as llm:
-        expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
         with recorded_compilations() as compiled:
             outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
@@ -79,4 +81,14 @@ def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(m
                     llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["spec_decode_draft_tokens"] > 0
     assert_none_compiled(compiled)
-    assert sum(o == e for o, e in zip(outputs, expected)) >= len(prompts) - 2
+    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.3) as llm:
+        expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        parted = [(p, o, e) for p, o, e in zip(prompts, outputs, expected) if o != e]
+        assert len(parted) < len(prompts) * 3 // 4
+        for prompt, output, plain in parted:
+            at = next(i for i, (a, b) in enumerate(zip(output, plain)) if a != b)
+            assert at > 0           # the first token comes from the prefill, the same pass either way
+            step = llm.generate([prompt + output[:at]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+                                use_tqdm=False)[0]
+            ranked = step["logprobs"][0]        # a third path (a fresh prefill) as the judge of the tie
+            assert output[at] in ranked and max(ranked.values()) - ranked[output[at]] < 0.25, (at, ranked)
