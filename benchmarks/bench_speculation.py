@@ -1,0 +1,102 @@
+"""Speculative decoding where it pays: one stream of a real model asked to repeat or lightly edit a passage in
+its prompt (issue #40's lookup workload), without speculation and with each configuration given.
+
+    python benchmarks/bench_speculation.py                                    # the default model, n-gram k=4
+    python benchmarks/bench_speculation.py --device cpu --max-tokens 80
+    python benchmarks/bench_speculation.py --spec '{"method": "ngram", "num_speculative_tokens": 4}' \\
+        --spec '{"method": "draft_model", "model": "DRAFT_DIR", "num_speculative_tokens": 4}'
+
+Each request runs alone (greedy, one at a time, after a warm-up request), so the figure is one stream's
+tokens a second. Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
+accepted of those proposed, the mean tokens a verification step gained, and how many completions equal the
+plain run's text (all of them on a CPU in float32; on a GPU in bf16 a near tie may go either way). --json
+prints one JSON object per configuration.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+from time import perf_counter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+PASSAGES = [
+    "Paged attention stores the key and value cache in fixed-size blocks, so memory is allocated on demand and "
+    "shared between requests that start with the same prompt. A scheduler decides each step which requests run, "
+    "and preempts the newest when the cache runs out.",
+    "The quick brown fox jumps over the lazy dog. The dog, unimpressed, goes back to sleep, while the fox trots "
+    "off to look for something more interesting to jump over before the sun goes down.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "for i in range(10):\n    print(i, fibonacci(i))\n",
+    "Speculative decoding drafts several tokens cheaply and lets the large model check them all in one step; "
+    "every token it accepts is a step saved, and the output is exactly what the large model alone would write.",
+]
+ASKS = ["Repeat this passage word for word:\n\n{}",
+        "Rewrite this passage, changing only its first sentence:\n\n{}",
+        "Copy the following text exactly:\n\n{}"]
+
+
+def conversations() -> list[list[dict]]:
+    return [[{"role": "user", "content": ask.format(passage)}] for passage in PASSAGES for ask in ASKS]
+
+
+def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec) as llm:
+        llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0.0, max_tokens=8),
+                 use_tqdm=False)        # warm-up: first-request costs out of the figure
+        before = dict(llm.stats)
+        texts, tokens, seconds = [], 0, 0.0
+        for conversation in conversations():
+            start = perf_counter()
+            out = llm.chat(conversation, params, use_tqdm=False)[0]
+            seconds += perf_counter() - start
+            texts.append(out["text"])
+            tokens += len(out["token_ids"])
+        stats = {name: llm.stats.get(name, 0) - before.get(name, 0)
+                 for name in ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")}
+    drafted, accepted, steps = (stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"],
+                                stats["spec_decode_num_drafts"])
+    return {"spec": spec, "tokens": tokens, "seconds": round(seconds, 4), "tok_per_s": round(tokens / seconds, 2),
+            "ms_per_token": round(seconds / tokens * 1e3, 4), "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "mean_gained_per_verification": round(1 + accepted / steps, 3) if steps else None, "texts": texts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded SmolLM2)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    parser.add_argument("--spec", action="append", type=json.loads, metavar="JSON",
+                        help="a speculative_config (repeatable); default n-gram, k = 4, lookup 2..4")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model is None:
+        from nanovllm.utils.gguf_checkpoint import default_model
+        args.model = default_model()
+    specs = args.spec or [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                           "prompt_lookup_min": 2}]
+    plain = run(str(args.model), device, None, args.max_tokens, args.max_model_len)
+    results = [plain] + [run(str(args.model), device, spec, args.max_tokens, args.max_model_len) for spec in specs]
+    plain_texts = plain["texts"]
+    for result in results:
+        result["speedup"] = round(result["tok_per_s"] / plain["tok_per_s"], 3)
+        result["same_text"] = sum(a == b for a, b in zip(result["texts"], plain_texts))
+        texts = result.pop("texts")
+        if args.json:
+            print(json.dumps({**result, "device": device, "requests": len(texts)}))
+        else:
+            name = "no speculation" if result["spec"] is None else json.dumps(result["spec"])
+            print(f"{name}: {result['tok_per_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/token, "
+                  f"{result['speedup']:.2f}x), {result['accepted_tokens']} of {result['draft_tokens']} drafts "
+                  f"accepted, {result['mean_gained_per_verification']} tokens a verification, "
+                  f"{result['same_text']}/{len(texts)} texts as without")
+
+
+if __name__ == "__main__":
+    main()
