@@ -74,3 +74,29 @@ def hf_probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, t
         scores = TopPLogitsWarper(top_p)(None, scores)
     probabilities = torch.softmax(scores, -1)
     return probabilities[0] if one_row else probabilities
+
+
+def chi_square_p_value(samples: list[int], law: torch.Tensor) -> float:
+    """Pearson's chi-square of token samples against `law` ([vocab] float64), the cells expecting fewer than
+    5 pooled into one; its p-value. A sample where the law is 0 fails at once."""
+    counts = torch.bincount(torch.tensor(samples), minlength=len(law)).double()
+    assert counts[law == 0].sum() == 0
+    expected = law * len(samples)
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[(law > 0) & ~big].sum().reshape(1)])
+    expected = torch.cat([expected[big], expected[(law > 0) & ~big].sum().reshape(1)])
+    statistic = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
+
+
+def assert_drafted_position_law(completions: list[list[int]], stats: dict, law: torch.Tensor, rate: float) -> None:
+    """N three-token completions, each drafted for once at its second token (speculative decoding's law
+    tests): every one drafted, some drafts accepted and some not, at `rate` within 4 standard deviations, and
+    the second tokens following `law` (chi-square, p > 1e-3)."""
+    n = len(completions)
+    assert all(len(c) == 3 for c in completions)
+    assert stats["spec_decode_num_drafts"] == stats["spec_decode_draft_tokens"] == n
+    accepted = stats["spec_decode_accepted_tokens"]
+    assert 0 < accepted < n
+    assert abs(accepted / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5, (accepted / n, rate)
+    assert chi_square_p_value([c[1] for c in completions], law) > 1e-3

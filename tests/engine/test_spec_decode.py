@@ -13,12 +13,12 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.ngram_proposer import ngram_draft
 from block_invariants import check_invariants
+from speculation import BLOCK, assert_idle, engine, tokens
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
 
-BLOCK = 16
 VOCAB = 512
 REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
 RANDOM = random_prompts(3, VOCAB, (8, 40), seed=4001)
@@ -30,19 +30,6 @@ def ngram(k: int, lookup_min: int = 1, lookup_max: int = 3, adaptive: bool = Fal
     """Speculation on every decode step unless adaptive (these tests are about its mechanics)."""
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max, "adaptive": adaptive,
             "prompt_lookup_min": lookup_min}
-
-
-def engine(model, spec: dict | None = None, **kwargs) -> LLM:
-    settings = dict(device="cpu", kvcache_block_size=BLOCK, max_model_len=256, num_kvcache_blocks=96)
-    return LLM(str(model), speculative_config=spec, **{**settings, **kwargs})
-
-
-def tokens(outputs: list[dict]) -> list[list[list[int]]]:
-    return [[c["token_ids"] for c in out["outputs"]] for out in outputs]
-
-
-def assert_idle(llm: LLM) -> None:
-    assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,13 @@ from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
+from speculation import BLOCK, assert_idle, engine, tokens, assert_seeded_draws_repeat
 from oracle import load_hf_model, random_prompts
+from sampling_reference import assert_drafted_position_law
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
 
-BLOCK = 16
 VOCAB = 512
 TARGET = dict(num_hidden_layers=4)      # the default aux layers (2, L // 2, L - 3) need 4 layers, and repeat there
 REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
@@ -65,22 +66,9 @@ def eagle3(head, k: int) -> dict:
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "adaptive": False}
 
 
-def engine(model, spec: dict | None = None, **kwargs) -> LLM:
-    settings = dict(device="cpu", kvcache_block_size=BLOCK, max_model_len=256, num_kvcache_blocks=96)
-    return LLM(str(model), speculative_config=spec, **{**settings, **kwargs})
-
-
-def tokens(outputs: list[dict]) -> list[list[list[int]]]:
-    return [[c["token_ids"] for c in out["outputs"]] for out in outputs]
-
-
 def sequences(prompts: list[list[int]], outputs: list[dict]) -> list[list[int]]:
     """Every completion's whole token list, prompt first."""
     return [prompt + c["token_ids"] for prompt, out in zip(prompts, outputs) for c in out["outputs"]]
-
-
-def assert_idle(llm: LLM) -> None:
-    assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
 
 
 def drafted(llm: LLM, before: dict) -> tuple[int, int, int]:
@@ -445,40 +433,12 @@ def test_each_later_draft_continues_on_the_heads_own_output(mixed):
 def test_a_seeded_request_draws_the_same_tokens_again(target, heads):
     """Two engines of the same configuration, the same seeds: the same tokens (the head's draws, the
     acceptance tests and the residual draws are all the request's); other seeds: other tokens."""
-    spec = eagle3(heads["full"], 3)
-
-    def params(seed: int) -> list[SamplingParams]:
-        return [SamplingParams(n=2, temperature=0.8, seed=seed + i, max_tokens=24, ignore_eos=True)
-                for i in range(len(PROMPTS))]
-    with engine(target, spec) as llm:
-        first = tokens(llm.generate(PROMPTS, params(100), use_tqdm=False))
-        other = tokens(llm.generate(PROMPTS, params(200), use_tqdm=False))
-        stats = llm.stats
-        assert 0 < stats["spec_decode_accepted_tokens"] < stats["spec_decode_draft_tokens"]
-        assert_idle(llm)
-    with engine(target, spec) as llm:
-        assert tokens(llm.generate(PROMPTS, params(100), use_tqdm=False)) == first
-    pairs = [(a, b) for request_a, request_b in zip(first, other) for a, b in zip(request_a, request_b)]
-    assert sum(a != b for a, b in pairs) >= len(pairs) - 1
-    assert sum(a != b for a, b in first) >= len(first) - 1     # a request's two completions draw apart
+    assert_seeded_draws_repeat(target, eagle3(heads["full"], 3), PROMPTS)
 
 
 # ---- sampling: the law at a drafted position --------------------------------------------------------------------
 N_LAW = 4000           # as test_spec_decode_draft_model.py's: a rejected draft redrawn from p fails at 1e-3
 LAW_PROMPT = random_prompts(1, VOCAB, (10, 10), seed=4202)[0]
-
-
-def chi_square_p_value(samples: list[int], law: torch.Tensor) -> float:
-    """Pearson's chi-square of the samples against `law` ([VOCAB] float64), the cells expecting fewer than
-    5 pooled into one; its p-value."""
-    counts = torch.bincount(torch.tensor(samples), minlength=VOCAB).double()
-    assert counts[law == 0].sum() == 0
-    expected = law * len(samples)
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[(law > 0) & ~big].sum().reshape(1)])
-    expected = torch.cat([expected[big], expected[(law > 0) & ~big].sum().reshape(1)])
-    statistic = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
 
 
 def test_the_first_drafted_position_has_plain_decodings_law(target, heads, references, hf_target):
@@ -508,12 +468,8 @@ def test_the_first_drafted_position_has_plain_decodings_law(target, heads, refer
         completions = [c[0] for c in tokens(llm.generate([LAW_PROMPT] * N_LAW, params, use_tqdm=False))]
         stats = llm.stats
         assert_idle(llm)
-    assert len(completions) == N_LAW and all(len(c) == 3 for c in completions)
-    assert stats["spec_decode_num_drafts"] == stats["spec_decode_draft_tokens"] == N_LAW
-    accepted = stats["spec_decode_accepted_tokens"]
-    assert 0 < accepted < N_LAW
-    assert abs(accepted / N_LAW - rate) < 4 * (rate * (1 - rate) / N_LAW) ** 0.5, (accepted / N_LAW, rate)
-    assert chi_square_p_value([c[1] for c in completions], law) > 1e-3
+    assert len(completions) == N_LAW
+    assert_drafted_position_law(completions, stats, law, rate)
 
 
 # ---- refusals -----------------------------------------------------------------------------------------------------
