@@ -81,8 +81,7 @@ class Drafter:
             return [[] for _ in seqs], None
         rounds = max(lengths)
         drafted = torch.empty(len(seqs), rounds, dtype=torch.int64, device=self.device)
-        temperatures, keys = draw_inputs(seqs, rounds, self.device) if self.rank == 0 else (None, None)
-        sampled = self.rank == 0 and bool((temperatures > 0).any())
+        temperatures, keys, sampled = draw_inputs(seqs, rounds, self.device) if self.rank == 0 else (None, None, False)
         laws = []       # (rows of seqs, round, q [rows, vocab]) of the sampled drafts
         for j in range(rounds):
             rows = [i for i in active if lengths[i] > j]
@@ -117,6 +116,7 @@ class DraftModel(Drafter):
 
     def after_verify(self, *args) -> None:
         """Nothing: the drafts' K/V were written as they were drafted."""
+
     def _round_logits(self, j: int, rows: list[int], seqs: list[Sequence], first_tokens: list[list[int]],
                       drafted: torch.Tensor) -> torch.Tensor | None:
         """Round 0 computes each sequence from one token back (see the module's docstring) to its last token;
@@ -136,9 +136,10 @@ class DraftModel(Drafter):
         return logits
 
 
-def draw_inputs(seqs: list[Sequence], rounds: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_inputs(seqs: list[Sequence], rounds: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """[seqs, rounds] temperatures and draw keys: draft j of a seeded request drawn with a key of its seed,
-    its completion's index and its position, salted; other rows' keys from one random number."""
+    its completion's index and its position, salted; other rows' keys from one random number. And whether
+    any row samples (read on the host: no wait for the device)."""
     params = [seq.sampling_params for seq in seqs]
     temperatures = np.repeat(np.array([p.temperature for p in params], dtype=np.float32)[:, None], rounds, 1)
     keys = int(torch.randint(0, 2 ** 62 - 2 ** 30, (1,))) + np.arange(len(seqs) * rounds, dtype=np.int64)
@@ -146,7 +147,7 @@ def draw_inputs(seqs: list[Sequence], rounds: int, device: torch.device) -> tupl
     for i, (seq, p) in enumerate(zip(seqs, params)):
         if p.seed is not None:
             keys[i] = [seeded_key(p.seed ^ DRAFT_SALT, seq.index, seq.num_tokens + j) for j in range(rounds)]
-    return to_device(temperatures, device), to_device(keys, device)
+    return to_device(temperatures, device), to_device(keys, device), bool((temperatures > 0).any())
 
 
 def draw_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[int], j: int, temperatures: torch.Tensor,

@@ -137,7 +137,8 @@ class Eagle3Proposer(Drafter):
             self._rows, self._hidden = rows, self.last[index]
             normed = self.model.norm(self._hidden)
         else:
-            keep = to_device(np.array([self._rows.index(i) for i in rows], dtype=np.int64), self.device)
+            where = {i: k for k, i in enumerate(self._rows)}     # a row's place in the round before
+            keep = to_device(np.array([where[i] for i in rows], dtype=np.int64), self.device)
             batch = [seqs[i] for i in rows]
             # draft j follows the last token (position L - 1, whose K/V the target computes next): the head
             # reads it at position L + j - 2, the position before it (the head's position p reads token p + 1)
