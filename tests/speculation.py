@@ -37,3 +37,42 @@ def assert_seeded_draws_repeat(model, spec: dict, prompts: list[list[int]]) -> N
     pairs = [(a, b) for request_a, request_b in zip(first, other) for a, b in zip(request_a, request_b)]
     assert sum(a != b for a, b in pairs) >= len(pairs) - 1
     assert sum(a != b for a, b in first) >= len(first) - 1
+
+
+def assert_a_mixed_batch_ends_as_plain_decoding(model, spec: dict, prompts: list[list[int]]) -> None:
+    """What users mix, in one batch with a drafter: greedy requests ending on a stop string (their text and
+    tokens plain decoding's), sampled n = 3 requests whose completions end at different steps (stop token ids
+    over a tenth of the vocabulary, varied max_tokens), and a request aborted mid-run; every request ends,
+    nothing hangs, and afterwards no block is held."""
+    with engine(model) as llm:
+        vocab = llm.config.hf_config.vocab_size
+        free = llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                            use_tqdm=False)
+        # each stop string two characters from the middle of what plain decoding writes: it ends mid-run
+        middles = [out["text"][len(out["text"]) // 2:][:2] for out in free]
+        greedy = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[m] if m.strip() else None)
+                  for m in middles]
+        plain = llm.generate(prompts[:3], greedy, use_tqdm=False)
+    assert any(out["finish_reason"] == "stop" for out in plain)
+    stops = list(range(7, vocab, 10))
+    sampled = [SamplingParams(n=3, temperature=1.0, seed=60 + i, max_tokens=8 + 6 * i, stop_token_ids=stops)
+               for i in range(3)]
+    with engine(model, spec) as llm:
+        aborted = llm.add_request(prompts[3], SamplingParams(temperature=0.8, max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        llm.abort_request(aborted)
+        outputs = llm.generate(prompts[:3] + prompts[:3], greedy + sampled, use_tqdm=False)
+        assert llm.stats["spec_decode_draft_tokens"] > 0
+        assert_idle(llm)
+    for out, expected in zip(outputs[:3], plain):
+        assert (out["text"], out["token_ids"], out["finish_reason"]) == \
+            (expected["text"], expected["token_ids"], expected["finish_reason"])
+    lengths = set()
+    for out, params in zip(outputs[3:], sampled):
+        assert len(out["outputs"]) == 3
+        for completion in out["outputs"]:
+            assert completion["finish_reason"] in ("stop", "length")
+            assert len(completion["token_ids"]) <= params.max_tokens
+            lengths.add(len(completion["token_ids"]))
+    assert len(lengths) > 1         # the completions ended at different steps

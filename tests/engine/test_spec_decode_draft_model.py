@@ -19,7 +19,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
-from speculation import BLOCK, assert_idle, engine, tokens, assert_seeded_draws_repeat
+from speculation import (BLOCK, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle, assert_seeded_draws_repeat,
+                         engine, tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law
 
@@ -215,6 +216,11 @@ def test_a_seeded_request_draws_the_same_tokens_again(tiny_model, make_checkpoin
     """Two engines of the same configuration, the same seeds: the same tokens (the draft's draws, the
     acceptance tests and the residual draws are all the request's); other seeds: other tokens."""
     assert_seeded_draws_repeat(tiny_model, draft_model(make_checkpoint(**DRAFT_SHAPES["other"]), 3), PROMPTS)
+
+
+def test_a_mixed_batch_with_stop_strings_n_and_an_abort_ends_as_plain_decoding(tiny_model, make_checkpoint):
+    assert_a_mixed_batch_ends_as_plain_decoding(tiny_model, draft_model(make_checkpoint(**DRAFT_SHAPES["other"]), 3),
+                                                PROMPTS)
 
 
 # ---- sampling: the law at a drafted position -------------------------------------------------------------

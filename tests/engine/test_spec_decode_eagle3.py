@@ -36,7 +36,8 @@ from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
-from speculation import BLOCK, assert_idle, engine, tokens, assert_seeded_draws_repeat
+from speculation import (BLOCK, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle, assert_seeded_draws_repeat,
+                         engine, tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law
 
@@ -434,6 +435,10 @@ def test_a_seeded_request_draws_the_same_tokens_again(target, heads):
     """Two engines of the same configuration, the same seeds: the same tokens (the head's draws, the
     acceptance tests and the residual draws are all the request's); other seeds: other tokens."""
     assert_seeded_draws_repeat(target, eagle3(heads["full"], 3), PROMPTS)
+
+
+def test_a_mixed_batch_with_stop_strings_n_and_an_abort_ends_as_plain_decoding(target, heads):
+    assert_a_mixed_batch_ends_as_plain_decoding(target, eagle3(heads["small"], 3), PROMPTS)
 
 
 # ---- sampling: the law at a drafted position --------------------------------------------------------------------
