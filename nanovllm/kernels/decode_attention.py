@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dependent_launch import enter, pdl_options
 from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
 
 _LOG2E = 1.4426950408889634
@@ -55,8 +56,8 @@ def _decode_kernel(
     num_heads, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr, TMA: tl.constexpr,
-):
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,7 +115,8 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads, num_splits,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -219,13 +221,12 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device))
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
-        )
+            **pdl_options(q.device))
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.dependent_launch import enter, pdl_options
 from nanovllm.kernels.fp8_gemm import _FP8_MAX, _MIN_AMAX, _to_e4m3
 from nanovllm.kernels.pointwise import rms_norm_row, silu_and_mul_cols
 
@@ -54,9 +55,11 @@ def _store_token(y, scale, q_ptrs, ok, INTERPRET: tl.constexpr):
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr, width, num_groups,
                            eps, stride_x, stride_r, stride_q, stride_s, stride_r_out, ADD: tl.constexpr,
-                           GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                           GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Program row: (x + residual) normalized, times the weight, rounded as pointwise's kernel rounds it, then
     quantized per token (GROUP_SIZE 0) or per group."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < width
@@ -81,9 +84,10 @@ def _gated(x_row_ptr, cols, ok, width):
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, width, num_groups, stride_x, stride_q, stride_s,
                                GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                               INTERPRET: tl.constexpr):
+                               INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Per token (GROUP_SIZE 0): program row, the row's amax over every BLOCK of columns, then its values
     (SINGLE_PASS: the row is one BLOCK, kept in registers). Per group: program (row, block of columns)."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
@@ -136,7 +140,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
             x.stride(0), 0 if residual is None else residual.stride(0), q.stride(0),
             0 if group_size is None else scale.stride(0), residual_out.stride(0), ADD=residual is not None,
             GROUP_SIZE=group_size or 0, BLOCK=block, INTERPRET=x.device.type != "cuda",
-            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
     return (q, scale) if residual is None else (q, scale, residual_out)
 
 
@@ -154,10 +158,10 @@ def silu_and_mul_quant(x: torch.Tensor, group_size: int | None = None) -> tuple[
             _silu_and_mul_quant_kernel[(tokens,)](
                 x, q, scale, width, num_groups, x.stride(0), q.stride(0), 0, GROUP_SIZE=0, BLOCK=block,
                 SINGLE_PASS=block >= width, INTERPRET=interpret,
-                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
         else:
             block = max(group_size, min(1024, triton.next_power_of_2(width)))
             _silu_and_mul_quant_kernel[(tokens, triton.cdiv(width, block))](
                 x, q, scale, width, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP_SIZE=group_size,
-                BLOCK=block, SINGLE_PASS=True, INTERPRET=interpret, num_warps=4)
+                BLOCK=block, SINGLE_PASS=True, INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
     return q, scale

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import skinny_gemm
+from nanovllm.kernels.dependent_launch import enter, pdl_options
 from nanovllm.kernels.skinny_gemm import SkinnyConfig
 
 FP8_MAX = 448.0         # largest finite float8_e4m3fn value
@@ -91,8 +92,10 @@ def _to_e4m3(y, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q, stride_s,
-                            GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr):
+                            GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Program (row, g): groups [g * GROUPS, (g + 1) * GROUPS) of one row, each GROUP_SIZE columns wide."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
@@ -108,8 +111,9 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride
 
 @triton.jit
 def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Program row: the row's amax in one sweep, its quantized values in a second (from L1/L2)."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -140,7 +144,7 @@ def quantize_activations(x: torch.Tensor, group_size: int | None = None) -> tupl
         if num_rows:
             _quantize_tokens_kernel[(num_rows,)](x, q, scale, width, x.stride(0), q.stride(0),
                                                  BLOCK=min(4096, triton.next_power_of_2(width)),
-                                                 INTERPRET=interpret, num_warps=4)
+                                                 INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
         return q, scale
     num_groups = triton.cdiv(width, group_size)
     scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
@@ -148,7 +152,7 @@ def quantize_activations(x: torch.Tensor, group_size: int | None = None) -> tupl
     if num_rows:
         _quantize_groups_kernel[(num_rows, triton.cdiv(num_groups, groups))](
             x, q, scale, width, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP_SIZE=group_size,
-            GROUPS=groups, INTERPRET=interpret, num_warps=4)
+            GROUPS=groups, INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
     return q, scale
 
 

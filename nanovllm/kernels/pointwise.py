@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.dependent_launch import enter, pdl_options
+
 
 @triton.jit
 def silu_and_mul_cols(x_row_ptr, cols, ok, width):
@@ -26,7 +28,8 @@ def silu_and_mul_cols(x_row_ptr, cols, ok, width):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -42,7 +45,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
-                                                                BLOCK=block, num_warps=4)
+                                                                BLOCK=block, num_warps=4, **pdl_options(x.device))
     return out
 
 
@@ -67,7 +70,9 @@ def rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, width, eps,
-                     stride_x, stride_r, stride_out, stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_x, stride_r, stride_out, stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
@@ -88,5 +93,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(tokens,)](
             x, x if residual is None else residual, weight, out, residual_out, width, eps,
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), residual_out.stride(0),
-            ADD=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            ADD=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+            **pdl_options(x.device))
     return out if residual is None else (out, residual_out)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.dependent_launch import enter, pdl_options
 from nanovllm.kernels.store_kvcache import e4m3_bits
 
 
@@ -61,7 +62,8 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
                       NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                       NUM_K_HEADS: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NORM: tl.constexpr,
-                      CACHE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+                      CACHE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -147,5 +149,5 @@ def rotate_qk(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, c
         NUM_K_HEADS=num_k_heads, K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         NORM=norm, CACHE=cache, PAGE=k_cache.shape[1] if cache else 1, FP8=fp8, num_warps=4,
-    )
+        **pdl_options(query.device))
     return q_out, k_out

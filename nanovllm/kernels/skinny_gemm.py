@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.dependent_launch import enter, pdl_options, start_dependents, wait_for_producers
+
 NO_SCALES, CHANNEL_SCALES, BLOCK_SCALES = 0, 1, 2
 
 
@@ -83,10 +85,12 @@ def split_k(num_tiles: int, width: int, config: "SkinnyConfig | GemvConfig", dev
 def _skinny_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, partial_ptr, counter_ptr,
                         M, N, K, k_per_split, stride_a, stride_a_scale, stride_b, stride_c, stride_b_scale,
                         SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """c [M, N] = a [M, K] @ b [N, K]^T (+ bias). Program (j, s, i) computes rows [i*BLOCK_M, ...) and columns [j*BLOCK_N, ...) over K range
     [s*k_per_split, (s+1)*k_per_split). The parts of a tile meet in a float32 buffer [splits, M, N]; the
     last program to arrive adds them in order."""
+    enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -157,7 +161,7 @@ GEMV_CONFIG = GemvConfig()
 @triton.jit
 def _gemv_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, partial_ptr, counter_ptr, N, K,
                  k_per_split, stride_b, A_SCALED: tl.constexpr, B_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """c [1, N] = a [1, K] @ b [N, K]^T (+ bias): program (j, s) reduces weight rows [j*BLOCK_N, ...) over K
     range [s*k_per_split, ...) in float32 (FP8 values convert exactly), each row's scale applied to its sum;
     the parts of a tile meet as in _skinny_gemm_kernel (the last to arrive adds them in order)."""
@@ -169,9 +173,16 @@ def _gemv_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, partia
     cols = (offs_n % N).to(tl.int64)
     b_ptrs = b_ptr + cols[:, None] * stride_b + offs_k[None, :]
     # products summed per lane, reduced across K once at the end: no cross-thread reduction in the loop
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_first = pid_k * k_per_split
-    for k in range(k_first, tl.minimum(k_first + k_per_split, K), BLOCK_K):
+    # the weights depend on no earlier kernel: the first step's are in flight before the wait (a split past
+    # K's end, possible when the steps do not divide evenly, loads nothing)
+    first = offs_k < K - k_first
+    b = tl.load(b_ptrs + k_first, mask=first[None, :], other=0.0)
+    start_dependents(PDL)
+    wait_for_producers(PDL)
+    a = tl.load(a_ptr + k_first + offs_k, mask=first, other=0.0)
+    acc = b.to(tl.float32) * a.to(tl.float32)[None, :]
+    for k in range(k_first + BLOCK_K, tl.minimum(k_first + k_per_split, K), BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr + k + offs_k)
             b = tl.load(b_ptrs + k)
@@ -223,7 +234,7 @@ def gemv(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, 
         a, a if a_scale is None else a_scale, b, b if b_scale is None else b_scale, b if bias is None else bias,
         out, partial, counters, num_cols, width, steps * config.block_k, b.stride(0), A_SCALED=a_scale is not None,
         B_SCALED=b_scale is not None, HAS_BIAS=bias is not None, EVEN_K=width % config.block_k == 0,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps)
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_options(a.device))
     return out
 
 
@@ -256,5 +267,5 @@ def skinny_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         a.stride(0), a_scale.stride(0) if scales == BLOCK_SCALES else 0, b.stride(0), out.stride(0),
         b_scale.stride(0) if scales == BLOCK_SCALES else 0, SCALES=scales, HAS_BIAS=bias is not None,
         EVEN_K=width % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(a.device))
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.dependent_launch import enter, pdl_options
+
 
 @triton.jit
 def e4m3_bits(x):
@@ -40,8 +42,8 @@ def _store_kvcache_kernel(
     stride_kcb, stride_kct, stride_kch, stride_kcd,
     stride_vcb, stride_vct, stride_vch, stride_vcd,
     PAGE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    FP8: tl.constexpr,
-):
+    FP8: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:                      # slot -1: a padded token, nothing to write
@@ -86,5 +88,4 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         PAGE=k_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK=block, FP8=fp8,
-        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1),
-    )
+        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl_options(key.device))
