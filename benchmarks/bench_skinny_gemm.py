@@ -22,7 +22,7 @@ from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py'
 from benchmarks.bench_moe import time_us  # noqa: E402  (CUDA events around rounds of one CUDA graph)
 from nanovllm.kernels import skinny_gemm  # noqa: E402
 from nanovllm.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
-from nanovllm.layers.linear import dense_linear  # noqa: E402
+from nanovllm.layers.quantization.unquantized import dense_linear  # noqa: E402
 
 SHAPES = {   # (N, K) of each projection
     "0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import skinny_gemm
-from nanovllm.layers.linear import dense_linear
+from nanovllm.layers.quantization.unquantized import dense_linear
 from nanovllm.utils.context import get_context
 from nanovllm.distributed.group import current_group
 
@@ -38,7 +38,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the last token of each sequence (prefill) or every token (decode), gathered on rank 0. A
-    decode step's few rows stream the weight through the skinny GEMM (5-7% faster than cuBLAS there)."""
+    decode step's few rows stream the weight through the GEMV (one row) or the skinny GEMM (5-7% faster than
+    cuBLAS there)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         context = get_context()

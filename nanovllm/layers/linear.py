@@ -10,26 +10,11 @@ Every layer holds, loads and runs its weight through the quantization method it 
 model's dtype.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.quantization import UNQUANTIZED, current_quant_method
 from nanovllm.distributed.group import current_group
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 skinny_configs: tuple | None = None) -> torch.Tensor:
-    """x @ weight^T + bias: on a GPU, where `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has
-    tiles for x's rows, through the split-K skinny GEMM; elsewhere cuBLAS."""
-    num_rows = x.numel() // x.shape[-1]
-    config = None
-    if skinny_configs and x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1:
-        config = skinny_gemm.choose_config(num_rows, skinny_configs)
-    if config is not None:
-        out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, config=config)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -160,5 +145,6 @@ class RowParallelLinear(LinearBase):
 
 
 def dense_warmup_token_counts() -> tuple[int, ...]:
-    """Row counts that reach each skinny GEMM variant (the LM head's): the engine's warm-up runs each once."""
-    return skinny_gemm.config_token_counts()
+    """Row counts that reach each GEMM variant of the model's dtype (the GEMV's one row, the LM head's skinny
+    buckets): the engine's warm-up runs each once."""
+    return tuple(sorted({1, *skinny_gemm.config_token_counts()}))    # 1: the GEMV

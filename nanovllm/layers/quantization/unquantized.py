@@ -6,7 +6,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.quantization.base import QuantizationMethod, moe_kernel_token_counts, stacked_expert_weights
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 skinny_configs: tuple | None = None) -> torch.Tensor:
+    """x @ weight^T + bias in the model's dtype. On a GPU one row (a lone sequence's decode step) goes to
+    skinny_gemm.gemv: its products on CUDA cores stream the weight nearer the copy rate than cuBLAS's GEMV,
+    and it loads its first weights before the kernel it follows has finished (H100, one stream: Qwen3-8B
+    6.53 -> 5.95 ms/token, Qwen3-0.6B 1.40 -> 1.09). A few rows go to the split-K skinny GEMM where
+    `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has tiles for them (the LM head); the rest,
+    and the CPU, to cuBLAS / torch."""
+    num_rows = x.numel() // x.shape[-1]
+    if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1:
+        if num_rows == 1:
+            return skinny_gemm.gemv(x.reshape(1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        config = skinny_gemm.choose_config(num_rows, skinny_configs) if skinny_configs else None
+        if config is not None:
+            out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, config=config)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -18,7 +38,7 @@ class Unquantized(QuantizationMethod):
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size: int) -> None:
