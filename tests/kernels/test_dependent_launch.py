@@ -25,15 +25,17 @@ def pdl_switch():
 def test_plain_launches_off_the_gpu(pdl_switch):
     """The CPU (Triton's interpreter) never sees the option, whatever the switch says."""
     pdl_switch(True)
-    assert dependent_launch.pdl_options(torch.device("cpu")) == {}
+    assert dependent_launch.pdl_options(torch.device("cpu"), 1) == {}
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
-def test_hopper_launches_ask_for_it_unless_switched_off(pdl_switch):
+def test_hopper_launches_of_few_rows_ask_for_it_unless_switched_off(pdl_switch):
     pdl_switch(True)
-    assert dependent_launch.pdl_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    for rows in (1, dependent_launch.MAX_ROWS):
+        assert dependent_launch.pdl_options(torch.device("cuda"), rows) == {"PDL": True, "launch_pdl": True}
+    assert dependent_launch.pdl_options(torch.device("cuda"), dependent_launch.MAX_ROWS + 1) == {}
     pdl_switch(False)
-    assert dependent_launch.pdl_options(torch.device("cuda")) == {}
+    assert dependent_launch.pdl_options(torch.device("cuda"), 1) == {}
 
 
 def decode_layer(hidden, residual, w):
@@ -58,7 +60,7 @@ def decode_layer(hidden, residual, w):
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 32])     # 32: plain launches in the graph too
 def test_a_layer_in_a_graph_matches_plain_launches_every_replay(pdl_switch, rows):
     """Inputs change before every replay: a kernel that read its input before its producer had finished would
     see the previous replay's values, and the outputs would differ from plain launches'."""
