@@ -14,6 +14,8 @@ Logits stay eager (the LM head picks prefill's last rows through the context's c
 import torch
 from torch import nn
 
+from nanovllm.kernels.dependent_launch import MAX_ROWS as DEPENDENT_LAUNCH_ROWS
+from nanovllm.kernels.dependent_launch import dependent_launches
 from nanovllm.utils.context import get_context, reset_context, set_context
 
 
@@ -78,7 +80,9 @@ class CudaGraphs:
         for bs in reversed(self.decode_sizes):
             set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
                         block_tables=v["block_tables"][:bs])
-            self.decode_graphs[bs] = self._capture(bs)
+            # a step of few sequences is a chain of short kernels: each starts while the one before ends
+            with dependent_launches(bs <= DEPENDENT_LAUNCH_ROWS):
+                self.decode_graphs[bs] = self._capture(bs)
 
     # ---- replay -------------------------------------------------------------------------------------------
     def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -221,12 +221,12 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
         BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device, batch))
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device))
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
             HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
-            **pdl_options(q.device, batch))
+            **pdl_options(q.device))
     return out
 
 

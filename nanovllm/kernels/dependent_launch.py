@@ -13,10 +13,12 @@ until that kernel has finished and its writes are visible. So each kernel here
     predecessor, and the kernel after it would then wait on the wrong one);
   - may issue work that depends on no earlier kernel before its wait: a GEMV's first weight loads.
 
-Only launches of a few rows (a decode step of up to MAX_ROWS sequences) take part. Off the GPU and before
-Hopper `pdl_options` is empty: the kernels compile as before (PDL is a constexpr,
+Only the kernels of decode graphs of a few rows (up to MAX_ROWS sequences) take part. Elsewhere, off the GPU and
+before Hopper `pdl_options` is empty: the kernels compile as before (PDL is a constexpr,
 False by default) and launch plainly. A plain kernel after a dependent one waits for it as always.
 """
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -26,10 +28,23 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Benchmarks set it False to measure what dependent launches are worth.
 ENABLED = True
-# Launches over more rows than this are plain: their programs fill the GPU, so there is no gap to overlap, and
-# on an H100 dependent launches in every decode graph cost bench.py's standard workload 0.4-0.6% (Qwen3-8B FP8,
-# Qwen3-0.6B) where launches of up to 16 rows lose nothing measurable and keep one stream's gain.
+# Decode graphs of more rows than this are captured plain: their kernels' programs fill the GPU, so there is no
+# gap to overlap, and on an H100 dependent launches in every decode graph cost bench.py's standard workload
+# 0.4-0.6% (Qwen3-8B FP8, Qwen3-0.6B) where graphs of up to 16 rows lose nothing measurable.
 MAX_ROWS = 16
+_active = False
+
+
+@contextmanager
+def dependent_launches(on: bool) -> Iterator[None]:
+    """Kernels launched inside take part when `on` (CudaGraphs captures its decode graphs of up to MAX_ROWS
+    rows so). Eager launches stay plain: each is one variant, the one start-up compiles."""
+    global _active
+    before, _active = _active, on and ENABLED
+    try:
+        yield
+    finally:
+        _active = before
 
 
 @lru_cache(maxsize=None)
@@ -37,10 +52,10 @@ def _has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_options(device: torch.device, rows: int) -> dict:
-    """Extra launch arguments for a kernel taking `PDL: tl.constexpr` over `rows` tokens or sequences: PDL and
-    launch_pdl on a Hopper (or later) GPU for at most MAX_ROWS rows, nothing elsewhere."""
-    if not ENABLED or rows > MAX_ROWS or device.type != "cuda":
+def pdl_options(device: torch.device) -> dict:
+    """Extra launch arguments for a kernel taking `PDL: tl.constexpr`: PDL and launch_pdl inside
+    `dependent_launches(True)` on a Hopper (or later) GPU, nothing elsewhere."""
+    if not _active or device.type != "cuda":
         return {}
     if not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
         return {}

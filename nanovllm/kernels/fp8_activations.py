@@ -140,7 +140,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
             x.stride(0), 0 if residual is None else residual.stride(0), q.stride(0),
             0 if group_size is None else scale.stride(0), residual_out.stride(0), ADD=residual is not None,
             GROUP_SIZE=group_size or 0, BLOCK=block, INTERPRET=x.device.type != "cuda",
-            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device, tokens))
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
     return (q, scale) if residual is None else (q, scale, residual_out)
 
 
@@ -158,10 +158,10 @@ def silu_and_mul_quant(x: torch.Tensor, group_size: int | None = None) -> tuple[
             _silu_and_mul_quant_kernel[(tokens,)](
                 x, q, scale, width, num_groups, x.stride(0), q.stride(0), 0, GROUP_SIZE=0, BLOCK=block,
                 SINGLE_PASS=block >= width, INTERPRET=interpret,
-                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device, tokens))
+                num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
         else:
             block = max(group_size, min(1024, triton.next_power_of_2(width)))
             _silu_and_mul_quant_kernel[(tokens, triton.cdiv(width, block))](
                 x, q, scale, width, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP_SIZE=group_size,
-                BLOCK=block, SINGLE_PASS=True, INTERPRET=interpret, num_warps=4, **pdl_options(x.device, tokens))
+                BLOCK=block, SINGLE_PASS=True, INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
     return q, scale

@@ -144,7 +144,7 @@ def quantize_activations(x: torch.Tensor, group_size: int | None = None) -> tupl
         if num_rows:
             _quantize_tokens_kernel[(num_rows,)](x, q, scale, width, x.stride(0), q.stride(0),
                                                  BLOCK=min(4096, triton.next_power_of_2(width)),
-                                                 INTERPRET=interpret, num_warps=4, **pdl_options(x.device, num_rows))
+                                                 INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
         return q, scale
     num_groups = triton.cdiv(width, group_size)
     scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
@@ -152,7 +152,7 @@ def quantize_activations(x: torch.Tensor, group_size: int | None = None) -> tupl
     if num_rows:
         _quantize_groups_kernel[(num_rows, triton.cdiv(num_groups, groups))](
             x, q, scale, width, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP_SIZE=group_size,
-            GROUPS=groups, INTERPRET=interpret, num_warps=4, **pdl_options(x.device, num_rows))
+            GROUPS=groups, INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
     return q, scale
 
 

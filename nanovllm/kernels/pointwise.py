@@ -45,7 +45,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
-                                                                BLOCK=block, num_warps=4, **pdl_options(x.device, tokens))
+                                                                BLOCK=block, num_warps=4, **pdl_options(x.device))
     return out
 
 
@@ -94,5 +94,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, x if residual is None else residual, weight, out, residual_out, width, eps,
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), residual_out.stride(0),
             ADD=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
-            **pdl_options(x.device, tokens))
+            **pdl_options(x.device))
     return out if residual is None else (out, residual_out)

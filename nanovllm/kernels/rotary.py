@@ -149,5 +149,5 @@ def rotate_qk(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, c
         NUM_K_HEADS=num_k_heads, K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         NORM=norm, CACHE=cache, PAGE=k_cache.shape[1] if cache else 1, FP8=fp8, num_warps=4,
-        **pdl_options(query.device, num_tokens))
+        **pdl_options(query.device))
     return q_out, k_out

@@ -234,7 +234,7 @@ def gemv(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, 
         a, a if a_scale is None else a_scale, b, b if b_scale is None else b_scale, b if bias is None else bias,
         out, partial, counters, num_cols, width, steps * config.block_k, b.stride(0), A_SCALED=a_scale is not None,
         B_SCALED=b_scale is not None, HAS_BIAS=bias is not None, EVEN_K=width % config.block_k == 0,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_options(a.device, 1))
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_options(a.device))
     return out
 
 
@@ -268,5 +268,5 @@ def skinny_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         b_scale.stride(0) if scales == BLOCK_SCALES else 0, SCALES=scales, HAS_BIAS=bias is not None,
         EVEN_K=width % config.block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_options(a.device, num_rows))
+        **pdl_options(a.device))
     return out

@@ -88,4 +88,4 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         PAGE=k_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK=block, FP8=fp8,
-        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl_options(key.device, num_tokens))
+        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **pdl_options(key.device))

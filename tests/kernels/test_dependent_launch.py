@@ -14,28 +14,43 @@ from nanovllm.kernels.skinny_gemm import gemv, skinny_gemm
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-@pytest.fixture
-def pdl_switch():
-    """Sets dependent_launch.ENABLED for a test and puts it back."""
-    before = dependent_launch.ENABLED
-    yield lambda on: setattr(dependent_launch, "ENABLED", on)
-    dependent_launch.ENABLED = before
-
-
-def test_plain_launches_off_the_gpu(pdl_switch):
-    """The CPU (Triton's interpreter) never sees the option, whatever the switch says."""
-    pdl_switch(True)
-    assert dependent_launch.pdl_options(torch.device("cpu"), 1) == {}
+def test_plain_launches_off_the_gpu():
+    """The CPU (Triton's interpreter) never sees the option."""
+    with dependent_launch.dependent_launches(True):
+        assert dependent_launch.pdl_options(torch.device("cpu")) == {}
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
-def test_hopper_launches_of_few_rows_ask_for_it_unless_switched_off(pdl_switch):
-    pdl_switch(True)
-    for rows in (1, dependent_launch.MAX_ROWS):
-        assert dependent_launch.pdl_options(torch.device("cuda"), rows) == {"PDL": True, "launch_pdl": True}
-    assert dependent_launch.pdl_options(torch.device("cuda"), dependent_launch.MAX_ROWS + 1) == {}
-    pdl_switch(False)
-    assert dependent_launch.pdl_options(torch.device("cuda"), 1) == {}
+def test_only_launches_inside_the_switch_ask_for_it(monkeypatch):
+    """Eager launches are plain (one compiled variant each, the one start-up compiles); inside
+    dependent_launches(True) they ask for it, unless the module is switched off (benchmarks' baseline)."""
+    cuda = torch.device("cuda")
+    assert dependent_launch.pdl_options(cuda) == {}
+    with dependent_launch.dependent_launches(True):
+        assert dependent_launch.pdl_options(cuda) == {"PDL": True, "launch_pdl": True}
+        with dependent_launch.dependent_launches(False):
+            assert dependent_launch.pdl_options(cuda) == {}
+        assert dependent_launch.pdl_options(cuda) == {"PDL": True, "launch_pdl": True}
+    assert dependent_launch.pdl_options(cuda) == {}
+    monkeypatch.setattr(dependent_launch, "ENABLED", False)
+    with dependent_launch.dependent_launches(True):
+        assert dependent_launch.pdl_options(cuda) == {}
+
+
+def test_decode_graphs_of_few_rows_are_captured_with_dependent_launches(monkeypatch):
+    """CudaGraphs switches them on while it captures its decode buckets of up to MAX_ROWS sequences, and only
+    then (recorded here in place of each capture)."""
+    from nanovllm.engine.cuda_graphs import CudaGraphs
+
+    switched_on = {}
+    monkeypatch.setattr(CudaGraphs, "_capture",
+                        lambda self, rows: switched_on.setdefault(rows, dependent_launch._active))
+    graphs = CudaGraphs(None, max_num_seqs=64, max_num_blocks=4, prefill_lengths=[48], hidden_size=8,
+                        dtype=torch.float32, device=torch.device("cpu"))
+    graphs.capture()
+    assert switched_on == {48: False} | {bs: bs <= dependent_launch.MAX_ROWS for bs in graphs.decode_sizes}
+    assert any(switched_on.values()) and not all(switched_on.values())
+    assert not dependent_launch._active
 
 
 def decode_layer(hidden, residual, w):
@@ -60,8 +75,8 @@ def decode_layer(hidden, residual, w):
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a Hopper (or later) GPU")
-@pytest.mark.parametrize("rows", [1, 8, 32])     # 32: plain launches in the graph too
-def test_a_layer_in_a_graph_matches_plain_launches_every_replay(pdl_switch, rows):
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_a_layer_in_a_graph_matches_plain_launches_every_replay(rows):
     """Inputs change before every replay: a kernel that read its input before its producer had finished would
     see the previous replay's values, and the outputs would differ from plain launches'."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -77,18 +92,16 @@ def test_a_layer_in_a_graph_matches_plain_launches_every_replay(pdl_switch, rows
              seqlens=torch.full((rows,), 41, device="cuda", dtype=torch.int32),
              block_table=torch.arange(rows * pages, device="cuda", dtype=torch.int32).view(rows, pages))
     static_hidden, static_residual = randn(rows, hidden_size), randn(rows, hidden_size)
-    pdl_switch(True)
-    decode_layer(static_hidden, static_residual, w)      # compiles the PDL variants outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_res_out = decode_layer(static_hidden, static_residual, w)
+    with dependent_launch.dependent_launches(True):
+        decode_layer(static_hidden, static_residual, w)      # compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out, static_res_out = decode_layer(static_hidden, static_residual, w)
     for replay in range(20):
         hidden, residual = randn(rows, hidden_size), randn(rows, hidden_size)
         static_hidden.copy_(hidden)
         static_residual.copy_(residual)
         graph.replay()
-        pdl_switch(False)
         expected_out, expected_res = decode_layer(hidden, residual, w)
-        pdl_switch(True)
         torch.testing.assert_close(static_out, expected_out, rtol=0, atol=0, msg=f"replay {replay}")
         torch.testing.assert_close(static_res_out, expected_res, rtol=0, atol=0, msg=f"replay {replay}")

@@ -131,10 +131,12 @@ def test_the_skinny_buckets_cover_a_decode_batch_then_hand_over():
 
 def test_fp8_linear_keeps_leading_dims_and_the_input_dtype():
     x = activations(6, 256).view(2, 3, 256)
-    q_w, s_w = quantize_weight(torch.randn(96, 256, device=DEVICE) * 0.05, "channel")
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 0.05
+    q_w, s_w = quantize_weight(weight, "channel")
     out = fp8_gemm.fp8_linear(x, q_w, s_w, block_scaled=False)
     assert out.shape == (2, 3, 96) and out.dtype == torch.float32
-    torch.testing.assert_close(out, fp8_linear_torch(x, q_w, s_w, "channel"), rtol=1e-5, atol=1e-5)
+    # float32 sums of 256 products in another order: ~1 in 30 weight draws differs by 1.2e-5 relative
+    torch.testing.assert_close(out, fp8_linear_torch(x, q_w, s_w, "channel"), rtol=5e-5, atol=1e-5)
     assert fp8_gemm.fp8_linear(torch.empty(0, 256, device=DEVICE), q_w, s_w, False).shape == (0, 96)
     assert not fp8_gemm.scaled_mm_applies(64, 96, 256, torch.bfloat16, torch.device("cpu"))
 
