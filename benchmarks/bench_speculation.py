@@ -6,8 +6,16 @@ its prompt (issue #40's lookup workload), without speculation and with each conf
     python benchmarks/bench_speculation.py --spec '{"method": "ngram", "num_speculative_tokens": 4}' \\
         --spec '{"method": "draft_model", "model": "DRAFT_DIR", "num_speculative_tokens": 4}'
 
-Each request runs alone (greedy, one at a time, after a warm-up request), so the figure is one stream's
-tokens a second. Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
+Each request runs alone (greedy, one at a time, after a warm-up request of the same kind on another passage,
+so that no path the timed requests take compiles inside them), so the figure is one stream's tokens a second.
+
+    VLLM_SITE=/tmp/vllm-site; PYTHONPATH=$VLLM_SITE python benchmarks/bench_speculation.py --engine vllm \
+        --dtype bfloat16 --spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, \
+        "prompt_lookup_min": 2}'      # vLLM on the same conversations (../shared/peer/ stages it on a GPU)
+
+--engine vllm runs vLLM's LLM.chat on the same checkpoint and conversations with the same speculative_config
+(its keys are vLLM's), with its acceptance from LLM.get_metrics(). --dtype sets both engines' dtype (vLLM's
+"auto" runs a float32 checkpoint, as the default SmolLM2 is converted, in bfloat16 on a GPU; ours keeps it). Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
 accepted of those proposed, the mean tokens a verification step gained, and how many completions equal the
 plain run's text (all of them on a CPU in float32; on a GPU in bf16 a near tie may go either way). --json
 prints one JSON object per configuration.
@@ -41,24 +49,70 @@ def conversations() -> list[list[dict]]:
     return [[{"role": "user", "content": ask.format(passage)}] for passage in PASSAGES for ask in ASKS]
 
 
-def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec) as llm:
-        llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0.0, max_tokens=8),
-                 use_tqdm=False)        # warm-up: first-request costs out of the figure
+WARM_UP = [{"role": "user", "content": ASKS[0].format(
+    "A warm-up passage, not timed: it takes the engine through drafting and verification once, with as many "
+    "tokens as the timed requests, so that the figures are steady-state ones.")}]
+STATS = ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
+VLLM_STATS = dict(zip(STATS, ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                              "vllm:spec_decode_num_accepted_tokens")))
+
+
+def timed_chats(chat, max_tokens: int) -> tuple[list[str], int, float]:
+    """chat(conversation, max_tokens) -> (text, token count), over every conversation one at a time."""
+    chat(WARM_UP, max_tokens)
+    texts, tokens, seconds = [], 0, 0.0
+    for conversation in conversations():
+        start = perf_counter()
+        text, count = chat(conversation, max_tokens)
+        seconds += perf_counter() - start
+        texts.append(text)
+        tokens += count
+    return texts, tokens, seconds
+
+
+def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int,
+             dtype: str) -> tuple[list[str], int, float, dict]:
+    with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec, dtype=dtype) as llm:
+        def chat(conversation, limit):
+            out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
+            return out["text"], len(out["token_ids"])
         before = dict(llm.stats)
-        texts, tokens, seconds = [], 0, 0.0
-        for conversation in conversations():
-            start = perf_counter()
-            out = llm.chat(conversation, params, use_tqdm=False)[0]
-            seconds += perf_counter() - start
-            texts.append(out["text"])
-            tokens += len(out["token_ids"])
-        stats = {name: llm.stats.get(name, 0) - before.get(name, 0)
-                 for name in ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")}
+        texts, tokens, seconds = timed_chats(chat, max_tokens)
+        stats = {name: llm.stats.get(name, 0) - before.get(name, 0) for name in STATS}
+    return texts, tokens, seconds, stats
+
+
+def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
+             dtype: str) -> tuple[list[str], int, float, dict]:
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmSamplingParams
+    llm = VllmLLM(model, dtype=dtype, max_model_len=max_model_len, speculative_config=spec,
+                  gpu_memory_utilization=0.5)
+
+    def chat(conversation, limit):
+        out = llm.chat(conversation, VllmSamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
+        return out.outputs[0].text, len(out.outputs[0].token_ids)
+
+    def counters() -> dict:
+        values = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
+        return {ours: values.get(theirs, 0) for ours, theirs in VLLM_STATS.items()}
+
+    before = counters()
+    texts, tokens, seconds = timed_chats(chat, max_tokens)
+    after = counters()
+    return texts, tokens, seconds, {name: after[name] - before[name] for name in STATS}
+
+
+def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int, engine: str = "ours",
+        dtype: str = "auto") -> dict:
+    if engine == "vllm":
+        texts, tokens, seconds, stats = run_vllm(model, spec, max_tokens, max_model_len, dtype)
+    else:
+        texts, tokens, seconds, stats = run_ours(model, device, spec, max_tokens, max_model_len, dtype)
     drafted, accepted, steps = (stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"],
                                 stats["spec_decode_num_drafts"])
-    return {"spec": spec, "tokens": tokens, "seconds": round(seconds, 4), "tok_per_s": round(tokens / seconds, 2),
+    return {"engine": engine, "spec": spec, "tokens": tokens, "seconds": round(seconds, 4),
+            "tok_per_s": round(tokens / seconds, 2),
             "ms_per_token": round(seconds / tokens * 1e3, 4), "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "mean_gained_per_verification": round(1 + accepted / steps, 3) if steps else None, "texts": texts}
@@ -72,6 +126,8 @@ def main() -> None:
                         help="a speculative_config (repeatable); default n-gram, k = 4, lookup 2..4")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--engine", choices=("ours", "vllm"), default="ours")
+    parser.add_argument("--dtype", default="auto", help="both engines' dtype (auto: each engine's own choice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import torch
@@ -81,8 +137,10 @@ def main() -> None:
         args.model = default_model()
     specs = args.spec or [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                            "prompt_lookup_min": 2}]
-    plain = run(str(args.model), device, None, args.max_tokens, args.max_model_len)
-    results = [plain] + [run(str(args.model), device, spec, args.max_tokens, args.max_model_len) for spec in specs]
+    options = dict(engine=args.engine, dtype=args.dtype)
+    plain = run(str(args.model), device, None, args.max_tokens, args.max_model_len, **options)
+    results = [plain] + [run(str(args.model), device, spec, args.max_tokens, args.max_model_len, **options)
+                         for spec in specs]
     plain_texts = plain["texts"]
     for result in results:
         result["speedup"] = round(result["tok_per_s"] / plain["tok_per_s"], 3)
