@@ -13,7 +13,9 @@ of x and per 128x128 block of W (applied to each K step's product). Tiles are ch
 M is never specialized on), so start-up compiles every variant by running one batch per bucket.
 
 `gemv` is the one-row case on CUDA cores (a program streams a few weight rows and sums their products per
-lane); fp8_gemm sends a lone FP8 row with per-channel weight scales there, unquantized or quantized.
+lane, its first weight loads issued before it waits for its input where launched dependently:
+kernels/dependent_launch.py); fp8_gemm sends a lone FP8 row with per-channel weight scales there, unquantized
+or quantized, and the model's-dtype layers (layers/quantization/unquantized.dense_linear) every lone row.
 """
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,7 +42,8 @@ class SkinnyConfig:
 # (smallest M, config) for weights in the model's dtype: the LM head (N = 151,936), which these tiles stream
 # 5-7% faster than cuBLAS at 1-64 rows (H100 sweep, benchmarks/bench_skinny_gemm.py --sweep). The decoder's
 # projections stay on cuBLAS: at 1-64 rows it streams them as fast as any tiles swept (within ~0.5 us either
-# way, at Qwen3-0.6B's and Qwen3-8B's shapes). Tried and dropped: SwiGLU's gate computed in the down
+# way, at Qwen3-0.6B's and Qwen3-8B's shapes), but for one row, which the GEMV streams faster than either
+# (Qwen3-8B bf16 one stream 6.53 -> 5.95 ms/token with dependent launches, H100). Tried and dropped: SwiGLU's gate computed in the down
 # projection's loads (one launch fewer a layer) ran 3x slower in the engine than cuBLAS plus the separate
 # kernel: a transformed A operand costs the loop its load pipelining.
 CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
