@@ -72,14 +72,21 @@ def timed_chats(chat, max_tokens: int) -> tuple[list[str], int, float]:
 
 def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int,
              dtype: str) -> tuple[list[str], int, float, dict]:
+    import triton
     with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec, dtype=dtype) as llm:
         def chat(conversation, limit):
             out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
             return out["text"], len(out["token_ids"])
         before = dict(llm.stats)
-        texts, tokens, seconds = timed_chats(chat, max_tokens)
+        # kernels that start-up did not compile and a request did (their compile time lands in the figure)
+        compiled = []
+        triton.knobs.runtime.jit_cache_hook = lambda *, fn, **_: compiled.append(fn.name) and False
+        try:
+            texts, tokens, seconds = timed_chats(chat, max_tokens)
+        finally:
+            triton.knobs.runtime.jit_cache_hook = None
         stats = {name: llm.stats.get(name, 0) - before.get(name, 0) for name in STATS}
-    return texts, tokens, seconds, stats
+    return texts, tokens, seconds, dict(stats, compiled_after_start_up=sorted(set(compiled)))
 
 
 def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
@@ -100,7 +107,8 @@ def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
     before = counters()
     texts, tokens, seconds = timed_chats(chat, max_tokens)
     after = counters()
-    return texts, tokens, seconds, {name: after[name] - before[name] for name in STATS}
+    return texts, tokens, seconds, {name: after[name] - before[name] for name in STATS} | {
+        "compiled_after_start_up": None}
 
 
 def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int, engine: str = "ours",
@@ -115,7 +123,8 @@ def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_l
             "tok_per_s": round(tokens / seconds, 2),
             "ms_per_token": round(seconds / tokens * 1e3, 4), "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
-            "mean_gained_per_verification": round(1 + accepted / steps, 3) if steps else None, "texts": texts}
+            "mean_gained_per_verification": round(1 + accepted / steps, 3) if steps else None,
+            "compiled_after_start_up": stats["compiled_after_start_up"], "texts": texts}
 
 
 def main() -> None:
@@ -153,7 +162,9 @@ def main() -> None:
             print(f"{name}: {result['tok_per_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/token, "
                   f"{result['speedup']:.2f}x), {result['accepted_tokens']} of {result['draft_tokens']} drafts "
                   f"accepted, {result['mean_gained_per_verification']} tokens a verification, "
-                  f"{result['same_text']}/{len(texts)} texts as without")
+                  f"{result['same_text']}/{len(texts)} texts as without"
+                  + (f"; compiled after start-up: {result['compiled_after_start_up']}"
+                     if result["compiled_after_start_up"] else ""))
 
 
 if __name__ == "__main__":
