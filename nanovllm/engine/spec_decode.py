@@ -36,12 +36,15 @@ class SpeculationPolicy:
     """Speculate or decode plainly, per decode batch size (bucketed to powers of two): whichever mode has
     given more tokens a second there (an exponential average of the engine's steps: tokens emitted over the
     step's wall time), the unmeasured one first (speculation before plain decoding), and the other mode every
-    `retry_every`-th step of the bucket, so that an estimate never goes stale. Not adaptive: always."""
+    `retry_every`-th step of the bucket, so that an estimate never goes stale. A mode's first step in a bucket
+    is not measured: it may carry one-time costs (a kernel variant compiling, the allocator growing) that would
+    otherwise stand as the whole estimate and keep the mode off for many retries. Not adaptive: always."""
 
     def __init__(self, adaptive: bool = True, retry_every: int = 64, weight: float = 0.2):
         self.adaptive, self.retry_every, self.weight = adaptive, retry_every, weight
         self.rates: dict[tuple[int, bool], float] = {}     # (bucket, speculated) -> tokens a second
         self.steps: dict[int, int] = {}
+        self.unmeasured_first: set[tuple[int, bool]] = set()   # modes whose first step in a bucket has passed
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -62,6 +65,9 @@ class SpeculationPolicy:
         if seconds <= 0:
             return
         key, rate = (self.bucket(batch_size), speculated), tokens / seconds
+        if key not in self.unmeasured_first:
+            self.unmeasured_first.add(key)
+            return
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + self.weight * (rate - old)
 

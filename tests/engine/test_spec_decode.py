@@ -294,16 +294,20 @@ def test_the_policy_speculates_where_it_measures_faster_and_retries_the_other_mo
     from nanovllm.engine.spec_decode import SpeculationPolicy
     policy = SpeculationPolicy(retry_every=4)
     assert policy.speculate(3)                  # nothing measured: speculation first
+    policy.record(3, True, tokens=1, seconds=3.0)       # its first step (a kernel compiling): not measured
+    assert policy.speculate(3)                  # so speculation again
     policy.record(3, True, tokens=12, seconds=1.0)
-    assert not policy.speculate(4)              # batch 4 is bucket 4 too (its 2nd step): plain decoding's turn
+    assert not policy.speculate(4)              # batch 4 is bucket 4 too (its 3rd step): plain decoding's turn
+    policy.record(4, False, tokens=1, seconds=2.0)      # plain decoding's first step: not measured either
+    assert not policy.speculate(4)
     policy.record(4, False, tokens=4, seconds=0.5)      # 8 tokens a second against speculation's 12
     decisions = [policy.speculate(4) for _ in range(8)]
-    assert decisions.count(False) == 2 and decisions[1] is False    # the bucket's 4th and 8th steps retry
+    assert decisions.count(False) == 2 and decisions[3] is False    # the bucket's 8th and 12th steps retry
     policy.record(3, True, tokens=1, seconds=1.0)       # speculation falls to 12 + 0.2 * (1 - 12) = 9.8
     policy.record(3, True, tokens=1, seconds=1.0)       # ... and to 8.04: still ahead of 8
     assert policy.speculate(4) is True
     policy.record(3, True, tokens=1, seconds=1.0)       # 6.63: plain decoding is faster now
-    assert [policy.speculate(4) for _ in range(3)] == [True, False, False]     # the 12th step retries
+    assert [policy.speculate(4) for _ in range(3)] == [False, False, True]     # the 16th step retries
     assert policy.speculate(64) is True         # another bucket: measured on its own
     assert SpeculationPolicy(adaptive=False).speculate(1000)
 
