@@ -89,6 +89,13 @@ def chi_square_p_value(samples: list[int], law: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
 
 
+def drafted_position_law(first: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The second token's law under speculation and the rate its drafts are accepted: first [V] the first
+    token's law, p [V, V] the target's law of the second given the first, q [V, V] the drafter's. The law is
+    plain decoding's, first @ p; a draft drawn from q is accepted at sum over t1 of first(t1) sum_x min(p, q)."""
+    return first @ p, float(first @ torch.minimum(p, q).sum(-1))
+
+
 def assert_drafted_position_law(completions: list[list[int]], stats: dict, law: torch.Tensor, rate: float) -> None:
     """N three-token completions, each drafted for once at its second token (speculative decoding's law
     tests): every one drafted, some drafts accepted and some not, at `rate` within 4 standard deviations, and

@@ -13,6 +13,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.ngram_proposer import ngram_draft
 from block_invariants import check_invariants
+from sampling_reference import chi_square_p_value
 from speculation import BLOCK, assert_idle, engine, tokens
 from oracle import random_prompts
 
@@ -267,15 +268,7 @@ def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, law_prom
     rate = sum(float(first[t1] * second[draft[0]]) for t1, (draft, second) in following.items() if draft) / float(
         sum(first[t1] for t1, (draft, _) in following.items() if draft))
     assert abs(sum(accepted) / len(accepted) - rate) < 4 * (rate * (1 - rate) / len(accepted)) ** 0.5
-    counts = torch.bincount(torch.tensor([t2 for _, t2 in drafted]), minlength=VOCAB).double()
-    assert counts[law == 0].sum() == 0
-    expected = law * len(drafted)
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[(law > 0) & ~big].sum().reshape(1)])
-    expected = torch.cat([expected[big], expected[(law > 0) & ~big].sum().reshape(1)])
-    statistic = ((observed - expected) ** 2 / expected.clamp(min=1e-12)).sum()
-    p_value = float(torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2, dtype=torch.float64), statistic / 2))
-    assert p_value > 1e-3
+    assert chi_square_p_value([t2 for _, t2 in drafted], law) > 1e-3
 
 
 # ---- refusals -------------------------------------------------------------------------------------------

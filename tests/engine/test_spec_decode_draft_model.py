@@ -22,7 +22,7 @@ from block_invariants import check_invariants
 from speculation import (BLOCK, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle, assert_seeded_draws_repeat,
                          engine, tokens)
 from oracle import load_hf_model, random_prompts
-from sampling_reference import assert_drafted_position_law
+from sampling_reference import assert_drafted_position_law, drafted_position_law
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
@@ -248,8 +248,7 @@ def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, make_che
         contexts = torch.tensor([LAW_PROMPT + [t1] for t1 in range(VOCAB)])
         p = torch.softmax(target(input_ids=contexts).logits[:, -1].double() / temperature, -1)    # [t1, t2]
         q = torch.softmax(draft(input_ids=contexts).logits[:, -1].double() / temperature, -1)
-    law = first @ p
-    rate = float(first @ torch.minimum(p, q).sum(-1))
+    law, rate = drafted_position_law(first, p, q)
 
     spec = draft_model(make_checkpoint(**DRAFT_SHAPES["other"]), 2)
     params = SamplingParams(n=N_LAW, seed=31, temperature=temperature, max_tokens=3, ignore_eos=True)

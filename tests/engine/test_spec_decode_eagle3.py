@@ -39,7 +39,7 @@ from block_invariants import check_invariants
 from speculation import (BLOCK, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle, assert_seeded_draws_repeat,
                          engine, tokens)
 from oracle import load_hf_model, random_prompts
-from sampling_reference import assert_drafted_position_law
+from sampling_reference import assert_drafted_position_law, drafted_position_law
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
@@ -464,8 +464,7 @@ def test_the_first_drafted_position_has_plain_decodings_law(target, heads, refer
         contexts = [LAW_PROMPT + [t1] for t1 in range(VOCAB)]
         p = torch.softmax(hf_target(input_ids=torch.tensor(contexts)).logits[:, -1].double(), -1)    # [t1, t2]
     q = reference.law(reference.logits(contexts)[:, -1], 1.0)                                       # [t1, x]
-    law = first @ p
-    rate = float(first @ torch.minimum(p, q).sum(-1))
+    law, rate = drafted_position_law(first, p, q)
     assert 0.05 < rate < 0.95
 
     params = [SamplingParams(seed=31 + i, temperature=1.0, max_tokens=3, ignore_eos=True) for i in range(N_LAW)]
