@@ -1,9 +1,14 @@
 """What the speculative-decoding tests share (tests/engine/test_spec_decode*.py): a CPU engine with a small
-paged cache, the outputs' token lists, the idle check, and the seeded-repeat specification of a drafter whose
+paged cache, the prompts and greedy settings they share, the outputs' token lists, the idle check, the law tests' run, and the seeded-repeat specification of a drafter whose
 draws are random (a draft model, an EAGLE-3 head)."""
 from nanovllm import LLM, SamplingParams
 
 BLOCK = 16
+VOCAB = 512                 # the test checkpoints' (make_checkpoint's default)
+# prompts that repeat themselves (n-gram lookup finds drafts in them; a drafter meets its easy case)
+REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
+MAX_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def engine(model, spec: dict | None = None, **kwargs) -> LLM:
@@ -17,6 +22,19 @@ def tokens(outputs: list[dict]) -> list[list[list[int]]]:
 
 def assert_idle(llm: LLM) -> None:
     assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+def law_completions(model, spec: dict, prompt: list[int], params: list[SamplingParams],
+                    num: int) -> tuple[list[list[int]], dict]:
+    """The law tests' run: one request of `prompt` per params, `num` completions in all, all in one batch;
+    every completion and the engine's stats, the engine left idle."""
+    with engine(model, spec, max_num_seqs=num, num_kvcache_blocks=num + 16) as llm:
+        outputs = tokens(llm.generate([prompt] * len(params), params, use_tqdm=False))
+        stats = llm.stats
+        assert_idle(llm)
+    completions = [completion for output in outputs for completion in output]
+    assert len(completions) == num
+    return completions, stats
 
 
 def assert_seeded_draws_repeat(model, spec: dict, prompts: list[list[int]]) -> None:

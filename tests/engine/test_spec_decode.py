@@ -14,17 +14,14 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.ngram_proposer import ngram_draft
 from block_invariants import check_invariants
 from sampling_reference import chi_square_p_value
-from speculation import BLOCK, assert_idle, engine, tokens
+from speculation import BLOCK, GREEDY, REPEATING, VOCAB, assert_idle, engine, tokens
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
 
-VOCAB = 512
-REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
 RANDOM = random_prompts(3, VOCAB, (8, 40), seed=4001)
 PROMPTS = REPEATING + RANDOM
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def ngram(k: int, lookup_min: int = 1, lookup_max: int = 3, adaptive: bool = False) -> dict:

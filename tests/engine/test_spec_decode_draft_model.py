@@ -19,20 +19,16 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
-from speculation import (BLOCK, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle, assert_seeded_draws_repeat,
-                         engine, tokens)
+from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
+                         assert_idle, assert_seeded_draws_repeat, engine, law_completions, tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law, drafted_position_law
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
 
-VOCAB = 512                             # every checkpoint's here but the one that says otherwise
-REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
 RANDOM = random_prompts(3, VOCAB, (8, 40), seed=4101)
 PROMPTS = REPEATING + RANDOM
-MAX_TOKENS = 40
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # the drafts beside the target itself ("self"): random models of its vocabulary (make_checkpoint's shapes)
 DRAFT_SHAPES = {
     "other": dict(num_hidden_layers=1, seed=3),       # agrees with the target now and then
@@ -252,11 +248,7 @@ def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, make_che
 
     spec = draft_model(make_checkpoint(**DRAFT_SHAPES["other"]), 2)
     params = SamplingParams(n=N_LAW, seed=31, temperature=temperature, max_tokens=3, ignore_eos=True)
-    with engine(tiny_model, spec, max_num_seqs=N_LAW, num_kvcache_blocks=N_LAW + 16) as llm:
-        completions = tokens(llm.generate([LAW_PROMPT], params, use_tqdm=False))[0]
-        stats = llm.stats
-        assert_idle(llm)
-    assert len(completions) == N_LAW
+    completions, stats = law_completions(tiny_model, spec, LAW_PROMPT, [params], N_LAW)
     assert_drafted_position_law(completions, stats, law, rate)
 
 

@@ -36,21 +36,17 @@ from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
-from speculation import (BLOCK, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle, assert_seeded_draws_repeat,
-                         engine, tokens)
+from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
+                         assert_idle, assert_seeded_draws_repeat, engine, law_completions, tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law, drafted_position_law
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # every engine is device="cpu"
 
-VOCAB = 512
 TARGET = dict(num_hidden_layers=4)      # the default aux layers (2, L // 2, L - 3) need 4 layers, and repeat there
-REPEATING = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [40, 41] * 10, [300 + i % 7 for i in range(33)]]
 RANDOM = random_prompts(3, VOCAB, (8, 40), seed=4201)
 PROMPTS = REPEATING + RANDOM
-MAX_TOKENS = 40
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # random heads (benchmarks/random_checkpoint.write_random_eagle3_head), each with its aux layers given
 # (distinct, in range): one of the target's vocabulary, one of 200 draft tokens (d2t) with a rope_theta of
 # its own (the target's is 10000: the head's rotary embedding must be the head's)
@@ -468,11 +464,7 @@ def test_the_first_drafted_position_has_plain_decodings_law(target, heads, refer
     assert 0.05 < rate < 0.95
 
     params = [SamplingParams(seed=31 + i, temperature=1.0, max_tokens=3, ignore_eos=True) for i in range(N_LAW)]
-    with engine(target, eagle3(heads[head], 2), max_num_seqs=N_LAW, num_kvcache_blocks=N_LAW + 16) as llm:
-        completions = [c[0] for c in tokens(llm.generate([LAW_PROMPT] * N_LAW, params, use_tqdm=False))]
-        stats = llm.stats
-        assert_idle(llm)
-    assert len(completions) == N_LAW
+    completions, stats = law_completions(target, eagle3(heads[head], 2), LAW_PROMPT, params, N_LAW)
     assert_drafted_position_law(completions, stats, law, rate)
 
 
