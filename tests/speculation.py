@@ -1,7 +1,9 @@
 """What the speculative-decoding tests share (tests/engine/test_spec_decode*.py): a CPU engine with a small
-paged cache, the prompts and greedy settings they share, the outputs' token lists, the idle check, the law tests' run, and the seeded-repeat specification of a drafter whose
-draws are random (a draft model, an EAGLE-3 head)."""
+paged cache, the prompts and greedy settings they share, the outputs' token lists, a run checked step by step,
+the idle check, the law tests' run, and the seeded-repeat specification of a drafter whose draws are random (a
+draft model, an EAGLE-3 head)."""
 from nanovllm import LLM, SamplingParams
+from block_invariants import check_invariants
 
 BLOCK = 16
 VOCAB = 512                 # the test checkpoints' (make_checkpoint's default)
@@ -22,6 +24,21 @@ def tokens(outputs: list[dict]) -> list[list[list[int]]]:
 
 def assert_idle(llm: LLM) -> None:
     assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+def completions_step_by_step(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's completion, the engine driven one step at a time and checked after every step: the block
+    manager's invariants (block_invariants), and no block reserved for drafts outliving its step."""
+    scheduler = llm.scheduler
+    ids = [llm.add_request(prompt, params) for prompt in prompts]
+    completions = {}
+    while not llm.is_finished():
+        finished, _ = llm.step()
+        completions.update(finished)
+        live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
+        check_invariants(scheduler.block_manager, live)
+        assert all(len(seq.block_table) <= seq.num_blocks for seq in live)
+    return [completions[i] for i in ids]
 
 
 def law_completions(model, spec: dict, prompt: list[int], params: list[SamplingParams],

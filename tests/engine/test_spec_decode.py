@@ -12,9 +12,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.ngram_proposer import ngram_draft
-from block_invariants import check_invariants
 from sampling_reference import chi_square_p_value
-from speculation import BLOCK, GREEDY, REPEATING, VOCAB, assert_idle, engine, tokens
+from speculation import BLOCK, GREEDY, REPEATING, VOCAB, assert_idle, completions_step_by_step, engine, tokens
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
@@ -90,14 +89,7 @@ def test_preemption_and_chunked_prefill_give_the_same_tokens(tiny_model, greedy_
     """10 blocks for 7 prompts growing to 3-5 blocks each: decode preempts (drafts never do, they take
     free blocks only); a 16-token budget prefills prompts in chunks and caps each step's drafts."""
     with engine(tiny_model, ngram(3), num_kvcache_blocks=10, max_num_batched_tokens=16) as llm:
-        scheduler = llm.scheduler
-        for prompt in PROMPTS:
-            llm.add_request(prompt, GREEDY)
-        while not llm.is_finished():
-            llm.step()
-            live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
-            check_invariants(scheduler.block_manager, live)
-            assert all(len(seq.block_table) <= seq.num_blocks for seq in live)   # no reserved block outlives its step
+        completions_step_by_step(llm, PROMPTS, GREEDY)
         stats = llm.stats
         assert stats["num_preemptions"] > 0 and stats["spec_decode_accepted_tokens"] > 0
         assert_idle(llm)

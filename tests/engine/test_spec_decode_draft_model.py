@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from block_invariants import check_invariants
 from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
-                         assert_idle, assert_seeded_draws_repeat, engine, law_completions, tokens)
+                         assert_idle, assert_seeded_draws_repeat, completions_step_by_step, engine, law_completions,
+                         tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law, drafted_position_law
 
@@ -132,16 +132,8 @@ def test_preemption_and_chunked_prefill_give_the_same_tokens(tiny_model, make_ch
     prompts in chunks and caps each step's drafts. The cache stays consistent step by step."""
     spec = draft_model(draft_dir(draft, tiny_model, make_checkpoint), 3)
     with engine(tiny_model, spec, num_kvcache_blocks=10, max_num_batched_tokens=16) as llm:
-        scheduler = llm.scheduler
-        ids = [llm.add_request(prompt, GREEDY) for prompt in PROMPTS]
-        completions = {}
-        while not llm.is_finished():
-            finished, _ = llm.step()
-            completions.update(finished)
-            live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
-            check_invariants(scheduler.block_manager, live)
-            assert all(len(seq.block_table) <= seq.num_blocks for seq in live)   # no reserved block outlives its step
-        assert [completions[i] for i in ids] == [out["token_ids"] for out in greedy_reference]
+        completions = completions_step_by_step(llm, PROMPTS, GREEDY)
+        assert completions == [out["token_ids"] for out in greedy_reference]
         stats = llm.stats
         assert stats["num_preemptions"] > 0
         assert_acceptance(draft, stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"])

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
-from block_invariants import check_invariants
 from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
-                         assert_idle, assert_seeded_draws_repeat, engine, law_completions, tokens)
+                         assert_idle, assert_seeded_draws_repeat, completions_step_by_step, engine, law_completions,
+                         tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law, drafted_position_law
 
@@ -335,15 +335,8 @@ def test_preemption_and_chunked_prefill_give_the_same_tokens(target, heads, gree
     recomputed (the head's K/V with it); a 16-token budget prefills prompts in chunks. The cache stays
     consistent step by step."""
     with engine(target, eagle3(heads[head], 3), num_kvcache_blocks=10, max_num_batched_tokens=16) as llm:
-        scheduler = llm.scheduler
-        ids = [llm.add_request(prompt, GREEDY) for prompt in PROMPTS]
-        completions = {}
-        while not llm.is_finished():
-            finished, _ = llm.step()
-            completions.update(finished)
-            live = [*scheduler.waiting, *scheduler.running, *scheduler.finishing]
-            check_invariants(scheduler.block_manager, live)
-        assert [completions[i] for i in ids] == [out["token_ids"] for out in greedy_reference]
+        completions = completions_step_by_step(llm, PROMPTS, GREEDY)
+        assert completions == [out["token_ids"] for out in greedy_reference]
         stats = llm.stats
         assert stats["num_preemptions"] > 0
         assert 0 < stats["spec_decode_draft_tokens"]
