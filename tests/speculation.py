@@ -1,7 +1,7 @@
 """What the speculative-decoding tests share (tests/engine/test_spec_decode*.py): a CPU engine with a small
-paged cache, the prompts and greedy settings they share, the outputs' token lists, a run checked step by step,
-the idle check, the law tests' run, and the seeded-repeat specification of a drafter whose draws are random (a
-draft model, an EAGLE-3 head)."""
+paged cache, the prompts and greedy settings they share, the outputs' token lists, the draft counts, greedy runs
+that draft every step, a run checked step by step, the idle check, the law tests' run, and the seeded-repeat
+specification of a drafter whose draws are random (a draft model, an EAGLE-3 head)."""
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
 
@@ -24,6 +24,27 @@ def tokens(outputs: list[dict]) -> list[list[list[int]]]:
 
 def assert_idle(llm: LLM) -> None:
     assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
+
+
+def drafted(llm: LLM, before: dict) -> tuple[int, int, int]:
+    """(drafts, draft tokens, accepted tokens) since `before` (an earlier llm.stats)."""
+    stats = llm.stats
+    return tuple(stats[key] - before[key] for key in
+                 ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"))
+
+
+def greedy_drafting_every_step(llm: LLM, k: int, prompts: list[list[int]], greedy_reference: list[dict]
+                               ) -> tuple[int, int]:
+    """Greedy completions of `prompts` are plain decoding's tokens, and every decode step with room for a draft
+    speculates (a sequence gains at most k + 1 tokens a step, and has room while it lacks 2 or more); returns
+    (draft tokens, accepted tokens)."""
+    before = llm.stats
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outputs) == tokens(greedy_reference)
+    num_drafts, num_draft, num_accepted = drafted(llm, before)
+    assert num_drafts >= len(prompts) * -(-(MAX_TOKENS - 2) // (k + 1))
+    assert num_drafts <= num_draft <= k * num_drafts
+    return num_draft, num_accepted
 
 
 def completions_step_by_step(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

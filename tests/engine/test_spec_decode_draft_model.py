@@ -17,10 +17,10 @@ test_spec_decode.py, whose layout this file follows."""
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
-                         assert_idle, assert_seeded_draws_repeat, completions_step_by_step, engine, law_completions,
-                         tokens)
+                         assert_idle, assert_seeded_draws_repeat, completions_step_by_step, drafted, engine,
+                         greedy_drafting_every_step, law_completions, tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law, drafted_position_law
 
@@ -45,13 +45,6 @@ def draft_model(model, k: int) -> dict:
 
 def draft_dir(name: str, target, make_checkpoint):
     return target if name == "self" else make_checkpoint(**DRAFT_SHAPES[name])
-
-
-def drafted(llm: LLM, before: dict) -> tuple[int, int, int]:
-    """(drafts, draft tokens, accepted tokens) since `before` (an earlier llm.stats)."""
-    stats = llm.stats
-    return tuple(stats[key] - before[key] for key in
-                 ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"))
 
 
 def assert_acceptance(draft: str, num_draft: int, num_accepted: int) -> None:
@@ -95,12 +88,7 @@ def test_greedy_is_token_identical_to_plain_decoding(spec, greedy_reference):
     """Whatever the draft proposes, the target's tokens are kept; every decode step with room for a draft
     speculates (a sequence gains at most k + 1 tokens a step, and has room while it lacks 2 or more)."""
     llm, draft, k = spec
-    before = llm.stats
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert tokens(outputs) == tokens(greedy_reference)
-    num_drafts, num_draft, num_accepted = drafted(llm, before)
-    assert num_drafts >= len(PROMPTS) * -(-(MAX_TOKENS - 2) // (k + 1))
-    assert num_drafts <= num_draft <= k * num_drafts
+    num_draft, num_accepted = greedy_drafting_every_step(llm, k, PROMPTS, greedy_reference)
     assert_acceptance(draft, num_draft, num_accepted)
     assert_idle(llm)
 

@@ -36,8 +36,8 @@ from safetensors.torch import load_file
 
 from nanovllm import LLM, SamplingParams
 from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
-                         assert_idle, assert_seeded_draws_repeat, completions_step_by_step, engine, law_completions,
-                         tokens)
+                         assert_idle, assert_seeded_draws_repeat, completions_step_by_step, engine,
+                         greedy_drafting_every_step, law_completions, tokens)
 from oracle import load_hf_model, random_prompts
 from sampling_reference import assert_drafted_position_law, drafted_position_law
 
@@ -66,13 +66,6 @@ def eagle3(head, k: int) -> dict:
 def sequences(prompts: list[list[int]], outputs: list[dict]) -> list[list[int]]:
     """Every completion's whole token list, prompt first."""
     return [prompt + c["token_ids"] for prompt, out in zip(prompts, outputs) for c in out["outputs"]]
-
-
-def drafted(llm: LLM, before: dict) -> tuple[int, int, int]:
-    """(drafts, draft tokens, accepted tokens) since `before` (an earlier llm.stats)."""
-    stats = llm.stats
-    return tuple(stats[key] - before[key] for key in
-                 ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"))
 
 
 # ---- the head in plain torch --------------------------------------------------------------------------------
@@ -301,12 +294,7 @@ def test_greedy_is_token_identical_to_plain_decoding(spec, greedy_reference):
     """Whatever the head proposes, the target's tokens are kept; every decode step with room for a draft
     speculates. A random head's drafts are mostly rejected: the drafts are counted, not accepted."""
     llm, _, k = spec
-    before = llm.stats
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert tokens(outputs) == tokens(greedy_reference)
-    num_drafts, num_draft, num_accepted = drafted(llm, before)
-    assert num_drafts >= len(PROMPTS) * -(-(MAX_TOKENS - 2) // (k + 1))
-    assert num_drafts <= num_draft <= k * num_drafts
+    num_draft, num_accepted = greedy_drafting_every_step(llm, k, PROMPTS, greedy_reference)
     assert num_accepted < num_draft
     assert_idle(llm)
 
