@@ -14,8 +14,8 @@ One engine (n-gram method, its proposer replaced), one 512-token random prompt, 
             accepted but at near ties, k + 1 tokens a verification (goal: >= 3.5x plain's tokens a second).
 
 Printed per mode: ms/token, tokens a second, its ratio to plain, drafts proposed and accepted, and whether the
-greedy tokens equal plain decoding's (with bf16 a near tie between the verification's prefill-shaped pass and the
-decode kernel may go either way). --json prints one JSON object per mode.
+greedy tokens equal plain decoding's (with bf16 a near tie between the verification's batch of k + 1 rows and
+plain decoding's one row may go either way: other GEMM tilings). --json prints one JSON object per mode.
 """
 import argparse
 import json

@@ -2,7 +2,8 @@
 lone prompt's prefill.
 
 A step whose shape fits a bucket copies its inputs into the bucket's static buffers and replays the
-graph: one launch instead of ~300 from Python. Decode runs that way every step. A lone prompt's prefill
+graph: one launch instead of ~300 from Python. Decode runs that way every step, and so does speculative
+decoding's verification (its rows are decode rows). A lone prompt's prefill
 (one sequence, nothing cached) is what a user waits on before the first token: eager, its launches cost
 the host ~17 ms for a 512-token prompt on an H100, against ~2 ms of GPU work. A prefill graph is
 captured for the bucket's length: its padding tokens store nothing (slot -1) and no query attends to
@@ -19,10 +20,17 @@ from nanovllm.kernels.dependent_launch import dependent_launches
 from nanovllm.utils.context import get_context, reset_context, set_context
 
 
-def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (at most 512)."""
-    largest = min(max_num_seqs, 512)
-    return [bs for bs in (1, 2, 4, 8) if bs <= largest] + list(range(16, largest + 1, 16))
+def cuda_graph_batch_sizes(max_rows: int) -> list[int]:
+    """Decode batch buckets: 1, 2, 4, 8, then every multiple of 16, up to the first that holds max_rows
+    (at most 512)."""
+    sizes = [1, 2, 4, 8] + list(range(16, 513, 16))
+    return sizes[:next((i + 1 for i, bs in enumerate(sizes) if bs >= max_rows), len(sizes))]
+
+
+def decode_graph_rows(max_num_seqs: int, num_speculative_tokens: int = 0) -> int:
+    """The most rows of a decode-shaped step: one a sequence, or with speculative decoding a verification's
+    k + 1 a sequence (step_inputs.prepare_verify); the decode graphs are captured up to it."""
+    return max_num_seqs * (1 + num_speculative_tokens)
 
 
 def prefill_graph_lengths(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
@@ -34,10 +42,10 @@ def prefill_graph_lengths(max_num_batched_tokens: int, max_model_len: int) -> li
 class CudaGraphs:
     """Captures and replays the forward of `model` for each bucket; all graphs share one memory pool."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_num_blocks: int, prefill_lengths: list[int],
+    def __init__(self, model: nn.Module, max_decode_rows: int, max_num_blocks: int, prefill_lengths: list[int],
                  hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.model = model
-        self.decode_sizes = cuda_graph_batch_sizes(max_num_seqs)
+        self.decode_sizes = cuda_graph_batch_sizes(max_decode_rows)
         self.prefill_lengths = prefill_lengths
         rows = max(self.decode_sizes[-1], prefill_lengths[-1] if prefill_lengths else 0)
         self.vars = dict(

@@ -6,7 +6,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.distributed.group import TensorParallelGroup, rank_device
 from nanovllm.engine import kv_cache as kv, step_inputs, warmup
-from nanovllm.engine.cuda_graphs import CudaGraphs, prefill_graph_lengths
+from nanovllm.engine.cuda_graphs import CudaGraphs, decode_graph_rows, prefill_graph_lengths
 from nanovllm.engine.draft_model import DraftModel
 from nanovllm.engine.eagle3_proposer import Eagle3Proposer
 from nanovllm.engine.model_loading import build_model
@@ -215,8 +215,9 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], finished_seq_ids: list[int] = ()
                ) -> tuple[SampledTokens, torch.Tensor] | None:
-        """Speculative decoding's target step (eager): each seq computes its last token and its drafts
-        (step_inputs.prepare_verify), every position's logits are sampled as plain decoding samples them
+        """Speculative decoding's target step: each seq computes its last token and its drafts, one decode row
+        each (step_inputs.prepare_verify; replayed in the decode graph of the rows' bucket where one holds
+        them), every position's logits are sampled as plain decoding samples them
         (sampling_inputs.build_verify_tensors), and the rejection sampler counts the drafts accepted
         (layers/rejection_sampler.py). Rank 0 gets (SampledTokens of every row, num_accepted [seqs] on the
         device): seq i gains the tokens of its rows 0..num_accepted[i]. Nothing is left pending: the
@@ -228,7 +229,7 @@ class ModelRunner:
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
                 self.device)
             rows = DraftRows.from_drafts(drafts, self.device)
-        logits = self.model.lm_head.logits_of(self.model(input_ids, positions))
+        logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
         context = get_context()
         reset_context()
         self.sampled, self.sampled_rows = self.sampled[:0], {}
@@ -283,7 +284,9 @@ class ModelRunner:
 
     def capture_cudagraph(self) -> None:
         hf, config = self.config.hf_config, self.config
-        self.graphs = CudaGraphs(self.model, config.max_num_seqs, -(-config.max_model_len // self.block_size),
+        k = config.speculative_config["num_speculative_tokens"] if config.speculative_config else 0
+        self.graphs = CudaGraphs(self.model, decode_graph_rows(config.max_num_seqs, k),
+                                 -(-config.max_model_len // self.block_size),
                                  prefill_graph_lengths(config.max_num_batched_tokens, config.max_model_len),
                                  hf.hidden_size, config.dtype, self.device)
         self.graphs.capture()

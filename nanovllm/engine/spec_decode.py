@@ -2,12 +2,12 @@
 
 1. `propose`: drafts for the scheduled decode batch (ngram_proposer.py, or the draft model on every rank:
    draft_model.py), each cut so that its sequence can never pass max_tokens or max_model_len whatever is
-   accepted, to the step's token budget (every row is a token the model computes), and to the KV slots free
+   accepted, to the step's rows (the token budget, and the largest decode graph), and to the KV slots free
    blocks can give (BlockManager.reserve_lookahead: drafts never preempt anything; a sequence without room
    decodes one token). A draft model writes its own K/V as it drafts, so its slots are reserved first.
 2. The engine has every rank run ModelRunner.verify: each sequence computes its last token and its drafts
-   in one prefill-shaped pass over its cached KV, and the rejection sampler says how many drafts hold
-   (layers/rejection_sampler.py).
+   as a decode step of one row per token (replayed in the decode graphs), and the rejection sampler says how
+   many drafts hold (layers/rejection_sampler.py).
 3. `accept`: each sequence gains its accepted drafts and the target's token after them, one by one, as
    plain decoding would have gained them: eos or a stop token ends it there (the tokens after it are
    dropped), and so does the length limit. num_cached_tokens counts the accepted tokens' KV only, so
@@ -26,6 +26,7 @@ seeded request draws with keys of its own positions.
 from collections.abc import Callable
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import cuda_graph_batch_sizes, decode_graph_rows
 from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -87,7 +88,12 @@ class SpeculativeDecoding:
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         self.max_model_len = config.max_model_len
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # every row is a token the model computes: at most the token budget, and where the verification
+        # replays a decode graph, the rows of the largest one (more would run eagerly)
+        self.max_rows = config.max_num_batched_tokens
+        if not (config.enforce_eager or config.device == "cpu"):
+            largest = cuda_graph_batch_sizes(decode_graph_rows(config.max_num_seqs, self.k))[-1]
+            self.max_rows = min(self.max_rows, largest)
         self.policy = SpeculationPolicy(spec["adaptive"])
         self.num_drafts = 0             # (sequence, step) pairs verified with at least one draft
         self.num_draft_tokens = 0
@@ -97,7 +103,7 @@ class SpeculativeDecoding:
         """Each scheduled decode sequence's drafts (maybe none), with KV slots reserved for them."""
         room = [min(seq.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens) - 1
                 for seq in seqs]
-        budget = self.max_num_batched_tokens - len(seqs)     # the step's rows beyond one per sequence
+        budget = self.max_rows - len(seqs)      # the step's rows beyond one per sequence
         if self.proposer is None:       # the draft model: slots first, then exactly that many drafts
             lengths = []
             for seq, most in zip(seqs, room):

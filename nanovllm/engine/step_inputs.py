@@ -105,14 +105,25 @@ def prepare_segments(seqs: list[Sequence], starts: list[int], counts: list[int],
 
 def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative decoding's target step: each seq computes its last token and then its drafts, at
-    positions num_tokens - 1 on (their KV goes to the slots reserve_lookahead gave it), attending to its
-    cached KV through its block table (prepare_segments)."""
+    """Speculative decoding's target step, shaped as a decode step of one row per token: each seq computes
+    its last token and then its drafts, at positions num_tokens - 1 on (their K/V go to the slots
+    reserve_lookahead gave it), and each row attends to its sequence's cached K/V up to its own position
+    (a context length of its own over its sequence's block table). Every row's K/V is stored before any row
+    attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it."""
     assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
+    counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
     input_ids = np.array([t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)], dtype=np.int64)
-    positions = prepare_segments(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts],
-                                 block_size, device)
-    return to_device(input_ids, device), positions
+    rows = np.repeat(np.arange(len(seqs)), counts)
+    starts = np.array([seq.num_tokens - 1 for seq in seqs], dtype=np.int64)
+    positions = starts[rows] + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    tables = np.array(padded_block_tables(seqs), dtype=np.int64)[rows]
+    pages = tables[np.arange(len(rows)), positions // block_size]
+    assert (pages >= 0).all(), "a token without a slot (a draft's must be reserved)"
+    columns = to_device(np.stack([positions + 1, pages * block_size + positions % block_size]).astype(np.int32),
+                        device)
+    set_context(False, slot_mapping=columns[1], context_lens=columns[0],
+                block_tables=to_device(tables.astype(np.int32), device))
+    return to_device(input_ids, device), to_device(positions, device)
 
 
 def prompt_logprob_targets(seqs: list[Sequence], computed: list[Sequence], wanted: list[tuple[int, int]]

@@ -36,34 +36,62 @@ def test_no_request_compiles_a_kernel_after_start_up(make_checkpoint, kv_cache_d
     assert_none_compiled(compiled)
 
 
-def test_speculative_verification_compiles_nothing_after_start_up(make_checkpoint):
-    """A verification step (a sequence's last token and its drafts in one pass over its cached KV) reaches
-    the paged prefill kernels and the sampler with many rows a sequence: all compiled at start-up too. The
+def test_speculative_verification_replays_decode_graphs_and_compiles_nothing_after_start_up(make_checkpoint):
+    """A verification step (a sequence's last token and its drafts, one decode row each) replays the decode
+    graph of its rows' bucket, and its sampler with many rows a sequence was compiled at start-up. The
     proposer is made to draft every step (a random model rarely repeats what n-gram lookup would find)."""
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    prompts = random_prompts(40, seed=12, lengths=(1, 1500))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
         llm.spec_decode.proposer.propose = lambda seqs, room: [[seq.last_token] * max(0, min(3, r))
                                                                for seq, r in zip(seqs, room)]
+        graphs, replayed = llm.model_runner.graphs, []
+        decode = graphs.decode
+
+        def recorded_decode(input_ids, positions):
+            hidden = decode(input_ids, positions)
+            replayed.append((len(input_ids), hidden is not None))
+            return hidden
+        graphs.decode = recorded_decode
         with recorded_compilations() as compiled:
-            prompts = random_prompts(40, seed=12, lengths=(1, 1500))
-            for options in (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, logprobs=2)):
+            outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            for options in (dict(temperature=0.8, top_p=0.9, logprobs=2), dict(temperature=0.6, seed=3, n=2)):
                 for batch in (prompts[:1], prompts[:3], prompts[:40]):
                     llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["spec_decode_draft_tokens"] > 0
+    assert max(rows for rows, _ in replayed) > 40           # verification steps went through graphs.decode
+    assert all(in_graph for _, in_graph in replayed)        # and none ran eagerly (40 x 4 rows fit a graph)
     assert_none_compiled(compiled)
+    assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy)
+
+
+def assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy):
+    """Speculative greedy tokens are plain decoding's up to bf16 rounding: the verification computes a
+    sequence's rows in a larger batch than plain decoding (other GEMM and attention tilings), and a random
+    model's top two logits are often within their difference (on the H100 about half of these 12-token
+    completions part somewhere, on ties as close as 0.03 between the top logits). So where a completion first
+    departs from plain decoding's, a fresh prefill of the same tokens before must rank the speculative token
+    within a near tie (0.25) of its best."""
+    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.3) as llm:
+        expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        parted = [(p, o, e) for p, o, e in zip(prompts, outputs, expected) if o != e]
+        assert len(parted) < len(prompts) * 3 // 4
+        for prompt, output, plain in parted:
+            at = next(i for i, (a, b) in enumerate(zip(output, plain)) if a != b)
+            assert at > 0           # the first token comes from the prefill, the same pass either way
+            step = llm.generate([prompt + output[:at]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+                                use_tqdm=False)[0]
+            ranked = step["logprobs"][0]        # a third path (a fresh prefill) as the judge of the tie
+            assert output[at] in ranked and max(ranked.values()) - ranked[output[at]] < 0.25, (at, ranked)
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(make_checkpoint, tmp_path, method):
     """A draft model (two layers of the target's shape) or an EAGLE-3 head (random, with a draft vocabulary
     of its own) drafts every step: its passes, its LM head, its draws and the verification's general rule are
-    compiled at start-up. Greedy tokens are plain decoding's up to bf16 rounding: the verification reads the
-    KV cache with the prefill kernel, plain decoding with the decode kernel, and a random model's top two
-    logits are often within their difference (on the H100 about half of these 12-token completions part
-    somewhere, on ties as close as 0.03 between the top logits). So where a completion first departs from
-    plain decoding's, a fresh prefill of the same tokens before must rank the speculative token within a
-    near tie (0.25) of its best."""
+    compiled at start-up; greedy tokens are plain decoding's up to near ties (assert_greedy_up_to_near_ties)."""
     from benchmarks.random_checkpoint import write_random_eagle3_head
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
     if method == "draft_model":
@@ -81,14 +109,4 @@ def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(m
                     llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["spec_decode_draft_tokens"] > 0
     assert_none_compiled(compiled)
-    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.3) as llm:
-        expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        parted = [(p, o, e) for p, o, e in zip(prompts, outputs, expected) if o != e]
-        assert len(parted) < len(prompts) * 3 // 4
-        for prompt, output, plain in parted:
-            at = next(i for i, (a, b) in enumerate(zip(output, plain)) if a != b)
-            assert at > 0           # the first token comes from the prefill, the same pass either way
-            step = llm.generate([prompt + output[:at]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
-                                use_tqdm=False)[0]
-            ranked = step["logprobs"][0]        # a third path (a fresh prefill) as the judge of the tie
-            assert output[at] in ranked and max(ranked.values()) - ranked[output[at]] < 0.25, (at, ranked)
+    assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy)

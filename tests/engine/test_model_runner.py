@@ -66,6 +66,22 @@ def test_decode_computes_each_last_token_in_its_next_slot(llm):
     reset_context()
 
 
+def test_verification_is_a_decode_step_of_one_row_per_token(llm):
+    """Each sequence's last token and its drafts are decode rows: each row's K/V goes to its own slot, and
+    it attends to its sequence's keys up to its own position (its context length) through the sequence's
+    block table, so that the decode kernels and graphs serve it."""
+    from nanovllm.engine.step_inputs import prepare_verify
+    a = seq(range(15), [3, 7], num_cached=14)       # last token at position 14; drafts at 15 (block 3), 16 (block 7)
+    b = seq(range(5), [2], num_cached=4)            # last token at position 4, no draft
+    input_ids, positions = prepare_verify([a, b], [[90, 91], []], BS, llm.model_runner.device)
+    ctx = get_context()
+    assert input_ids.tolist() == [14, 90, 91, 4] and positions.tolist() == [14, 15, 16, 4]
+    assert not ctx.is_prefill and ctx.context_lens.tolist() == [15, 16, 17, 5]
+    assert ctx.slot_mapping.tolist() == [3 * BS + 14, 3 * BS + 15, 7 * BS + 0, 2 * BS + 4]
+    assert ctx.block_tables.tolist() == [[3, 7], [3, 7], [3, 7], [2, -1]]
+    reset_context()
+
+
 def test_sampling_reads_each_sequence_temperature(llm):
     seqs = [Sequence([1], SamplingParams(temperature=t), BS) for t in (0.0, 0.7)]
     runner = llm.model_runner
