@@ -48,7 +48,7 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, n_start, 
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -113,23 +113,32 @@ def _decode_kernel(
         tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])     # one variant for every split count (an eager step may take any)
 def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads, num_splits,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False):
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_s = tl.arange(0, SPLITS_BLOCK)
     offs_d = tl.arange(0, D_PAD)
-    s_ok = offs_s < num_splits
-    row = (b.to(tl.int64) * num_heads + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + row, mask=s_ok, other=-1.0e30)   # empty split: m = -1e30, l = 0
-    l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)
-    l_sum = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0.0, l_sum, 1.0)
+    first = (b.to(tl.int64) * num_heads + head) * num_splits
+    # two passes over the splits, SPLITS_BLOCK at a time: the largest max, then the rescaled sums
+    m_max = tl.max(tl.full([SPLITS_BLOCK], -1.0e30, dtype=tl.float32), 0)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        m = tl.load(part_m_ptr + first + s0 + offs_s, mask=s0 + offs_s < num_splits, other=-1.0e30)
+        m_max = tl.maximum(m_max, tl.max(m, 0))
+    l_sum = tl.sum(tl.zeros([SPLITS_BLOCK], dtype=tl.float32), 0)
+    acc_sum = tl.zeros([D_PAD], dtype=tl.float32)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        s_ok = s0 + offs_s < num_splits
+        row = first + s0 + offs_s
+        m = tl.load(part_m_ptr + row, mask=s_ok, other=-1.0e30)   # empty split: m = -1e30, l = 0
+        l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
+        acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        w = tl.exp2(m - m_max)
+        l_sum += tl.sum(w * l, 0)
+        acc_sum += tl.sum(w[:, None] * acc, 0)
+    out = acc_sum / tl.where(l_sum > 0.0, l_sum, 1.0)
     o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -225,7 +234,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_BLOCK=16, num_warps=4,
             **pdl_options(q.device))
     return out
 

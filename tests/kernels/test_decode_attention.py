@@ -42,11 +42,12 @@ def test_decode_default(group, head_dim):
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 20])
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
 def test_split_edges(num_splits, use_tma):
-    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks;
-    K/V tiles loaded through pointers and through TMA descriptors (Hopper's path)."""
+    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks (20
+    splits: the reduce combines them 16 at a time); K/V tiles loaded through pointers and through TMA
+    descriptors (Hopper's path)."""
     bn = 16
     lens = [1, 2, bn - 1, bn, bn + 1, num_splits * bn - 1, num_splits * bn, num_splits * bn + 1, 200]
     q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float32, DEVICE)
