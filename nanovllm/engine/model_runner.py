@@ -167,10 +167,6 @@ class ModelRunner:
             logits_rows = list(itertools.accumulate(1 if seq.num_scheduled_tokens else 0 for seq in seqs))
             logits_rows = [row - 1 for row in logits_rows]
         input_ids, positions = self.prepare_prefill(computed) if is_prefill else self.prepare_decode(computed)
-        if self.rank == 0:
-            self.penalty_state.release(finished_seq_ids)
-            tensors, penalty_rows = build_sampling_tensors(seqs, logits_rows, self.config.hf_config.vocab_size,
-                                                           self.config.eos_token_ids, self.penalty_state, self.device)
         prompt_logprobs = None
         if prompt_logprob_rows:     # eager: they want the hidden state of every position
             hidden = self.model(input_ids, positions)
@@ -180,6 +176,10 @@ class ModelRunner:
             logits = self.run_model(input_ids, positions, is_prefill, len(computed))
         context = get_context()
         reset_context()
+        if self.rank == 0:          # the sampling inputs while the device runs the forward pass
+            self.penalty_state.release(finished_seq_ids)
+            tensors, penalty_rows = build_sampling_tensors(seqs, logits_rows, self.config.hf_config.vocab_size,
+                                                           self.config.eos_token_ids, self.penalty_state, self.device)
         step = (seqs, logits, tensors, penalty_rows, prompt_logprobs) if self.rank == 0 else (seqs,)
         if defer_sampling:
             if block_copies:
@@ -223,15 +223,15 @@ class ModelRunner:
         device): seq i gains the tokens of its rows 0..num_accepted[i]. Nothing is left pending: the
         engine collects this step before it schedules the next."""
         input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device)
-        if self.rank == 0:
+        logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
+        context = get_context()
+        reset_context()
+        if self.rank == 0:      # while the device runs the forward pass: the host waits on this step
             self.penalty_state.release(finished_seq_ids)
             tensors, state_rows = build_verify_tensors(
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
                 self.device)
             rows = DraftRows.from_drafts(drafts, self.device)
-        logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
-        context = get_context()
-        reset_context()
         self.sampled, self.sampled_rows = self.sampled[:0], {}
         output = accepted = None
         if self.rank == 0:

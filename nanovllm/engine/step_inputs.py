@@ -109,21 +109,29 @@ def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: in
     its last token and then its drafts, at positions num_tokens - 1 on (their K/V go to the slots
     reserve_lookahead gave it), and each row attends to its sequence's cached K/V up to its own position
     (a context length of its own over its sequence's block table). Every row's K/V is stored before any row
-    attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it."""
+    attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it.
+    The host waits on every such step, so its columns travel as one copy (as prepare_decode's)."""
     assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
     counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
-    input_ids = np.array([t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)], dtype=np.int64)
     rows = np.repeat(np.arange(len(seqs)), counts)
+    num_rows, width = len(rows), max(len(seq.block_table) for seq in seqs)
     starts = np.array([seq.num_tokens - 1 for seq in seqs], dtype=np.int64)
-    positions = starts[rows] + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    positions = starts[rows] + np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
     tables = np.array(padded_block_tables(seqs), dtype=np.int64)[rows]
-    pages = tables[np.arange(len(rows)), positions // block_size]
+    pages = tables[np.arange(num_rows), positions // block_size]
     assert (pages >= 0).all(), "a token without a slot (a draft's must be reserved)"
-    columns = to_device(np.stack([positions + 1, pages * block_size + positions % block_size]).astype(np.int32),
-                        device)
-    set_context(False, slot_mapping=columns[1], context_lens=columns[0],
-                block_tables=to_device(tables.astype(np.int32), device))
-    return to_device(input_ids, device), to_device(positions, device)
+    flat = np.empty(4 * num_rows + num_rows * width, dtype=np.int64)
+    flat[:num_rows] = [t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)]
+    flat[num_rows:2 * num_rows] = positions
+    flat[2 * num_rows:3 * num_rows] = positions + 1                                   # context lengths
+    flat[3 * num_rows:4 * num_rows] = pages * block_size + positions % block_size     # slots
+    flat[4 * num_rows:] = tables.ravel()
+    flat = to_device(flat, device)
+    columns = flat[:4 * num_rows].view(4, num_rows)
+    context = flat[2 * num_rows:].to(torch.int32)      # the kernels read int32 metadata
+    set_context(False, slot_mapping=context[num_rows:2 * num_rows], context_lens=context[:num_rows],
+                block_tables=context[2 * num_rows:].view(num_rows, width))
+    return columns[0], columns[1]
 
 
 def prompt_logprob_targets(seqs: list[Sequence], computed: list[Sequence], wanted: list[tuple[int, int]]
