@@ -5,7 +5,7 @@
 One engine (n-gram method, its proposer replaced), one 512-token random prompt, greedy, run in these modes
 (plain again at the end: the noise):
 
-  plain     no drafts: plain decoding (a decode step a token, CUDA graphs);
+  plain     no speculation: plain decoding (a decode step a token, CUDA graphs, steps pipelined);
   random    k random drafts every step, speculating every step: nearly none accepted, so each step is a
             verification of k + 1 tokens that yields about one token (its ms/token over plain's is what a
             verification step costs against a decode step: goal <= 1.25x);
@@ -32,6 +32,7 @@ from time import perf_counter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.spec_decode import SpeculationPolicy  # noqa: E402
 
 MODES = ("plain", "random", "adaptive", "oracle")
 STATS = ("spec_decode_num_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
@@ -59,8 +60,13 @@ def make_proposer(mode: str, k: int, vocab: int, continuation: list[int], seed: 
 def run_mode(llm, mode: str, k: int, prompt: list[int], max_tokens: int, continuation: list[int]) -> dict:
     spec = llm.spec_decode
     spec.proposer.propose = make_proposer(mode, k, llm.config.hf_config.vocab_size, continuation)
-    spec.policy.adaptive = mode == "adaptive"
-    spec.policy.rates.clear(), spec.policy.steps.clear(), spec.policy.unmeasured_first.clear()
+    # plain: never speculate (steps pipelined, as an engine without speculation runs them); random, oracle:
+    # every step; adaptive: the engine's policy, from scratch
+    policy = spec.policy = SpeculationPolicy(adaptive=mode != "plain")
+    if mode == "plain":
+        policy.speculate = lambda batch_size: False
+    elif mode != "adaptive":
+        policy.adaptive = False
     llm.scheduler.block_manager.hash_to_block_id.clear()      # the prompt is computed afresh every run
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = {name: llm.stats[name] for name in STATS}
