@@ -7,14 +7,16 @@ its prompt (issue #40's lookup workload), without speculation and with each conf
         --spec '{"method": "draft_model", "model": "DRAFT_DIR", "num_speculative_tokens": 4}'
 
 Each request runs alone (greedy, one at a time, after a warm-up request of the same kind on another passage,
-so that no path the timed requests take compiles inside them), so the figure is one stream's tokens a second.
+so that no path the timed requests take compiles inside them), so the figure is one stream's tokens a second:
+of the median of --repeat passes over the conversations (the counts are a pass's).
 
     VLLM_SITE=/tmp/vllm-site; PYTHONPATH=$VLLM_SITE python benchmarks/bench_speculation.py --engine vllm \
         --dtype bfloat16 --spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, \
         "prompt_lookup_min": 2}'      # vLLM on the same conversations (../shared/peer/ stages it on a GPU)
 
 --engine vllm runs vLLM's LLM.chat on the same checkpoint and conversations with the same speculative_config
-(its keys are vLLM's), with its acceptance from LLM.get_metrics(). --dtype sets both engines' dtype (vLLM's
+(its keys are vLLM's), each configuration's engine in a process of its own, with its acceptance from
+LLM.get_metrics(). --dtype sets both engines' dtype (vLLM's
 "auto" runs a float32 checkpoint, as the default SmolLM2 is converted, in bfloat16 on a GPU; ours keeps it). Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
 accepted of those proposed, the mean tokens a verification step gained, and how many completions equal the
 plain run's text (all of them on a CPU in float32; on a GPU in bf16 a near tie may go either way). --json
@@ -57,44 +59,58 @@ VLLM_STATS = dict(zip(STATS, ("vllm:spec_decode_num_drafts", "vllm:spec_decode_n
                               "vllm:spec_decode_num_accepted_tokens")))
 
 
-def timed_chats(chat, max_tokens: int) -> tuple[list[str], int, float]:
-    """chat(conversation, max_tokens) -> (text, token count), over every conversation one at a time."""
-    chat(WARM_UP, max_tokens)
-    texts, tokens, seconds = [], 0, 0.0
-    for conversation in conversations():
-        start = perf_counter()
-        text, count = chat(conversation, max_tokens)
-        seconds += perf_counter() - start
-        texts.append(text)
-        tokens += count
-    return texts, tokens, seconds
+def timed_chats(chat, max_tokens: int, repeat: int = 1) -> tuple[list[str], int, float]:
+    """chat(conversation, max_tokens) -> (text, token count), over every conversation one at a time, `repeat`
+    times; the seconds are the median pass's (a lone small model's step is a few hundred microseconds of
+    host work, so one pass varies by tens of percent with the machine)."""
+    passes = []
+    for _ in range(repeat):
+        texts, tokens, seconds = [], 0, 0.0
+        for conversation in conversations():
+            start = perf_counter()
+            text, count = chat(conversation, max_tokens)
+            seconds += perf_counter() - start
+            texts.append(text)
+            tokens += count
+        passes.append(seconds)
+    return texts, tokens, sorted(passes)[len(passes) // 2]
 
 
 def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int,
-             dtype: str) -> tuple[list[str], int, float, dict]:
+             dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
     import triton
     with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec, dtype=dtype) as llm:
         def chat(conversation, limit):
             out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
             return out["text"], len(out["token_ids"])
+        chat(WARM_UP, max_tokens)
         before = dict(llm.stats)
         # kernels that start-up did not compile and a request did (their compile time lands in the figure)
         compiled = []
         triton.knobs.runtime.jit_cache_hook = lambda *, fn, **_: compiled.append(fn.name) and False
         try:
-            texts, tokens, seconds = timed_chats(chat, max_tokens)
+            texts, tokens, seconds = timed_chats(chat, max_tokens, repeat)
         finally:
             triton.knobs.runtime.jit_cache_hook = None
-        stats = {name: llm.stats.get(name, 0) - before.get(name, 0) for name in STATS}
+        stats = {name: (llm.stats.get(name, 0) - before.get(name, 0)) / repeat for name in STATS}
     return texts, tokens, seconds, dict(stats, compiled_after_start_up=sorted(set(compiled)))
 
 
 def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
-             dtype: str) -> tuple[list[str], int, float, dict]:
+             dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
+    """vLLM's engine in a process of its own (spawned: this one may hold CUDA, and an engine that ends in a
+    process does not give all its memory back before the next one measures what is free)."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_vllm_worker, (model, spec, max_tokens, max_model_len, dtype, repeat))
+
+
+def _vllm_worker(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
+                 dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
     llm = VllmLLM(model, dtype=dtype, max_model_len=max_model_len, speculative_config=spec,
-                  gpu_memory_utilization=0.5)
+                  gpu_memory_utilization=0.5, disable_log_stats=False)     # get_metrics() needs stat logging
 
     def chat(conversation, limit):
         out = llm.chat(conversation, VllmSamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
@@ -104,19 +120,20 @@ def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
         values = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
         return {ours: values.get(theirs, 0) for ours, theirs in VLLM_STATS.items()}
 
+    chat(WARM_UP, max_tokens)
     before = counters()
-    texts, tokens, seconds = timed_chats(chat, max_tokens)
+    texts, tokens, seconds = timed_chats(chat, max_tokens, repeat)
     after = counters()
-    return texts, tokens, seconds, {name: after[name] - before[name] for name in STATS} | {
+    return texts, tokens, seconds, {name: (after[name] - before[name]) / repeat for name in STATS} | {
         "compiled_after_start_up": None}
 
 
 def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int, engine: str = "ours",
-        dtype: str = "auto") -> dict:
+        dtype: str = "auto", repeat: int = 1) -> dict:
     if engine == "vllm":
-        texts, tokens, seconds, stats = run_vllm(model, spec, max_tokens, max_model_len, dtype)
+        texts, tokens, seconds, stats = run_vllm(model, spec, max_tokens, max_model_len, dtype, repeat)
     else:
-        texts, tokens, seconds, stats = run_ours(model, device, spec, max_tokens, max_model_len, dtype)
+        texts, tokens, seconds, stats = run_ours(model, device, spec, max_tokens, max_model_len, dtype, repeat)
     drafted, accepted, steps = (stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"],
                                 stats["spec_decode_num_drafts"])
     return {"engine": engine, "spec": spec, "tokens": tokens, "seconds": round(seconds, 4),
@@ -137,6 +154,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--engine", choices=("ours", "vllm"), default="ours")
     parser.add_argument("--dtype", default="auto", help="both engines' dtype (auto: each engine's own choice)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="passes over the conversations, the median timed (default 5 on a GPU, 1 on CPU)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import torch
@@ -146,7 +165,7 @@ def main() -> None:
         args.model = default_model()
     specs = args.spec or [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                            "prompt_lookup_min": 2}]
-    options = dict(engine=args.engine, dtype=args.dtype)
+    options = dict(engine=args.engine, dtype=args.dtype, repeat=args.repeat or (5 if device == "cuda" else 1))
     plain = run(str(args.model), device, None, args.max_tokens, args.max_model_len, **options)
     results = [plain] + [run(str(args.model), device, spec, args.max_tokens, args.max_model_len, **options)
                          for spec in specs]
@@ -160,7 +179,7 @@ def main() -> None:
         else:
             name = "no speculation" if result["spec"] is None else json.dumps(result["spec"])
             print(f"{name}: {result['tok_per_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/token, "
-                  f"{result['speedup']:.2f}x), {result['accepted_tokens']} of {result['draft_tokens']} drafts "
+                  f"{result['speedup']:.2f}x), {result['accepted_tokens']:g} of {result['draft_tokens']:g} drafts "
                   f"accepted, {result['mean_gained_per_verification']} tokens a verification, "
                   f"{result['same_text']}/{len(texts)} texts as without"
                   + (f"; compiled after start-up: {result['compiled_after_start_up']}"
