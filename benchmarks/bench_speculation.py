@@ -107,6 +107,8 @@ def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
 
 def _vllm_worker(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
                  dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # a pool's worker may not start processes
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
     llm = VllmLLM(model, dtype=dtype, max_model_len=max_model_len, speculative_config=spec,

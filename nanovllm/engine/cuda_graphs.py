@@ -10,7 +10,10 @@ captured for the bucket's length: its padding tokens store nothing (slot -1) and
 them (the sequence's length travels in cu_seqlens), and the attention kernel's grid, fixed at capture,
 covers the bucket's length; tiles past the prompt's end exit at once.
 
-Logits stay eager (the LM head picks prefill's last rows through the context's cu_seqlens).
+A decode graph of up to `logits_rows` rows also computes the logits (into one static buffer): a lone
+sequence's step, or a verification's few rows, is bound by the host's launches, and the LM head's would be
+one more. Above that, and for prefill (the LM head picks its last rows through the context's cu_seqlens), the
+logits stay eager.
 """
 import torch
 from torch import nn
@@ -43,9 +46,12 @@ class CudaGraphs:
     """Captures and replays the forward of `model` for each bucket; all graphs share one memory pool."""
 
     def __init__(self, model: nn.Module, max_decode_rows: int, max_num_blocks: int, prefill_lengths: list[int],
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, logits_rows: int = 0):
+        """logits_rows: the decode graphs of at most this many rows compute the logits too (0: none; the
+        LM head must need no collective: one rank)."""
         self.model = model
         self.decode_sizes = cuda_graph_batch_sizes(max_decode_rows)
+        self.logits_rows = max((bs for bs in self.decode_sizes if bs <= logits_rows), default=0)
         self.prefill_lengths = prefill_lengths
         rows = max(self.decode_sizes[-1], prefill_lengths[-1] if prefill_lengths else 0)
         self.vars = dict(
@@ -62,15 +68,21 @@ class CudaGraphs:
         self.pool = None
 
     # ---- capture ----------------------------------------------------------------------------------------
-    def _capture(self, num_tokens: int) -> torch.cuda.CUDAGraph:
-        """The forward over the first num_tokens rows, under the context set by the caller."""
+    def _capture(self, num_tokens: int, with_logits: bool = False) -> torch.cuda.CUDAGraph:
+        """The forward over the first num_tokens rows, under the context set by the caller (and the logits
+        of every row: with_logits)."""
         v = self.vars
-        v["outputs"][:num_tokens] = self.model(v["input_ids"][:num_tokens], v["positions"][:num_tokens])  # warm up
+
+        def forward():
+            hidden = v["outputs"][:num_tokens] = self.model(v["input_ids"][:num_tokens], v["positions"][:num_tokens])
+            if with_logits:
+                v["logits"][:num_tokens] = self.model.compute_logits(hidden)
+        forward()       # warm up
         graph = torch.cuda.CUDAGraph()
         # thread_local: a worker's death may make the monitor abort NCCL (which frees memory) from its
         # own thread mid-capture; the default global mode would forbid that and leave NCCL half torn down
         with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-            v["outputs"][:num_tokens] = self.model(v["input_ids"][:num_tokens], v["positions"][:num_tokens])
+            forward()
         if self.pool is None:
             self.pool = graph.pool()
         torch.cuda.synchronize()
@@ -81,6 +93,11 @@ class CudaGraphs:
     def capture(self) -> None:
         """Largest first, so that smaller graphs reuse its memory."""
         v = self.vars
+        if self.logits_rows:          # the logits' static buffer, shaped as a decode row's logits
+            set_context(False)
+            logits = self.model.compute_logits(v["outputs"][:1])
+            reset_context()
+            v["logits"] = logits.new_empty(self.logits_rows, logits.size(-1))
         for n in reversed(self.prefill_lengths):
             v["cu_seqlens"][1] = n
             set_context(True, v["cu_seqlens"], v["cu_seqlens"], n, n, v["slot_mapping"][:n])
@@ -90,7 +107,7 @@ class CudaGraphs:
                         block_tables=v["block_tables"][:bs])
             # a step of few sequences is a chain of short kernels: each starts while the one before ends
             with dependent_launches(bs <= DEPENDENT_LAUNCH_ROWS):
-                self.decode_graphs[bs] = self._capture(bs)
+                self.decode_graphs[bs] = self._capture(bs, with_logits=bs <= self.logits_rows)
 
     # ---- replay -------------------------------------------------------------------------------------------
     def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -101,8 +118,11 @@ class CudaGraphs:
         v["slot_mapping"].fill_(-1)
         v["slot_mapping"][:n] = slot_mapping
 
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states of a decode step under the current context, or None: no bucket holds the batch."""
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(hidden states, logits or None: the bucket's graph computes none) of a decode step under the
+        current context, or None: no bucket holds the batch. The logits are a static buffer's rows, valid
+        until the next replay."""
         bs = input_ids.size(0)
         if bs > self.decode_sizes[-1]:
             return None
@@ -112,8 +132,9 @@ class CudaGraphs:
         v["context_lens"][:bs] = context.context_lens
         v["block_tables"].zero_()
         v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        self.decode_graphs[next(b for b in self.decode_sizes if b >= bs)].replay()
-        return v["outputs"][:bs]
+        bucket = next(b for b in self.decode_sizes if b >= bs)
+        self.decode_graphs[bucket].replay()
+        return v["outputs"][:bs], (v["logits"][:bs] if bucket <= self.logits_rows else None)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, num_seqs: int) -> torch.Tensor | None:
         """Hidden states of a lone prompt's prefill under the current context, or None: the step is not

@@ -21,6 +21,10 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.utils.context import get_context, reset_context, using_context
 from nanovllm.utils.transfer import list_to_device
 
+# decode graphs of up to this many rows compute the logits too: a small batch's step is bound by the host's
+# launches (an LM head of these rows in the graph costs a static buffer of 64 x vocab_size values)
+LOGITS_IN_GRAPH_ROWS = 64
+
 
 class ModelRunner:
     """Runs the model for one rank, coordinating the rooms that do the work: builds the model and loads
@@ -142,8 +146,14 @@ class ModelRunner:
                   num_seqs: int) -> torch.Tensor:
         hidden = None
         if self.graphs is not None and not self.enforce_eager:     # tests set enforce_eager to compare
-            hidden = (self.graphs.prefill(input_ids, positions, num_seqs) if is_prefill
-                      else self.graphs.decode(input_ids, positions))
+            if is_prefill:
+                hidden = self.graphs.prefill(input_ids, positions, num_seqs)
+            else:
+                replayed = self.graphs.decode(input_ids, positions)
+                if replayed is not None:
+                    hidden, logits = replayed
+                    if logits is not None:      # a small batch's graph computes its logits too
+                        return logits
         if hidden is None:
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden)
@@ -288,5 +298,6 @@ class ModelRunner:
         self.graphs = CudaGraphs(self.model, decode_graph_rows(config.max_num_seqs, k),
                                  -(-config.max_model_len // self.block_size),
                                  prefill_graph_lengths(config.max_num_batched_tokens, config.max_model_len),
-                                 hf.hidden_size, config.dtype, self.device)
+                                 hf.hidden_size, config.dtype, self.device,
+                                 logits_rows=LOGITS_IN_GRAPH_ROWS if self.world_size == 1 else 0)
         self.graphs.capture()

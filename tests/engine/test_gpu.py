@@ -52,11 +52,14 @@ def test_teacher_forced_logprobs_agree_with_transformers(llm, hf):
     assert kl < 1e-2
 
 
-def test_cuda_graph_decode_matches_eager(llm):
+@pytest.mark.parametrize("num_seqs", [5, 70])
+def test_cuda_graph_decode_matches_eager(llm, num_seqs):
     """Graph replay reads full-width block tables (the decode kernel may split the keys differently
-    than eager does), so the two agree to rounding, not bit for bit."""
-    prompts = random_prompts(5, seed=2)
-    continuations = random_prompts(5, seed=3, lengths=(NUM_FORCED, NUM_FORCED))
+    than eager does), so the two agree to rounding, not bit for bit. A batch of up to 64 rows has its
+    graph compute the logits too; a larger one's logits run eagerly after its replay."""
+    assert (num_seqs <= llm.model_runner.graphs.logits_rows) == (num_seqs == 5)
+    prompts = random_prompts(num_seqs, seed=2)
+    continuations = random_prompts(num_seqs, seed=3, lengths=(NUM_FORCED, NUM_FORCED))
     graphs = forced_logprobs(llm, prompts, continuations, use_graphs=True)
     eager = forced_logprobs(llm, prompts, continuations, use_graphs=False)
     top2 = eager.topk(2, dim=-1).values

@@ -51,9 +51,9 @@ def test_speculative_verification_replays_decode_graphs_and_compiles_nothing_aft
         decode = graphs.decode
 
         def recorded_decode(input_ids, positions):
-            hidden = decode(input_ids, positions)
-            replayed.append((len(input_ids), hidden is not None))
-            return hidden
+            replay = decode(input_ids, positions)
+            replayed.append((len(input_ids), replay is not None))
+            return replay
         graphs.decode = recorded_decode
         with recorded_compilations() as compiled:
             outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
