@@ -44,8 +44,8 @@ def test_decode_graphs_of_few_rows_are_captured_with_dependent_launches(monkeypa
 
     switched_on = {}
     monkeypatch.setattr(CudaGraphs, "_capture",
-                        lambda self, rows: switched_on.setdefault(rows, dependent_launch._active))
-    graphs = CudaGraphs(None, max_num_seqs=64, max_num_blocks=4, prefill_lengths=[48], hidden_size=8,
+                        lambda self, rows, with_logits=False: switched_on.setdefault(rows, dependent_launch._active))
+    graphs = CudaGraphs(None, max_decode_rows=64, max_num_blocks=4, prefill_lengths=[48], hidden_size=8,
                         dtype=torch.float32, device=torch.device("cpu"))
     graphs.capture()
     assert switched_on == {48: False} | {bs: bs <= dependent_launch.MAX_ROWS for bs in graphs.decode_sizes}
