@@ -347,12 +347,16 @@ def hardware_floor(hf_config, num_params: int, itemsize: int, workload: Workload
                 bandwidth_gbps=bandwidth / 1e9, peak_tflops=flops / 1e12, floor_s=floor_s, **moe, **fp8)
 
 
-# --structured-outputs presets: constraints that a random-weight model never completes within max_tokens
-# (ignore_eos), so that every decode step of every request is masked
+# --structured-outputs presets: constraints that a random-weight model rarely completes within max_tokens
+# (ignore_eos), so that every decode step of every request is masked; json-records-1024 cannot be completed
+# at all within 1,024 tokens (1,024 records of a few tokens each), so that every engine, whatever it does once
+# a grammar is complete, generates every request's max_tokens under the mask (a side by side's like for like)
+_RECORD = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "score": {"type": "number"}}, "required": ["id", "name", "tags", "score"]}
 STRUCTURED_PRESETS = {
-    "json-records": {"json": {"type": "array", "items": {"type": "object", "properties": {
-        "id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
-        "score": {"type": "number"}}, "required": ["id", "name", "tags", "score"]}}},
+    "json-records": {"json": {"type": "array", "items": _RECORD}},
+    "json-records-1024": {"json": {"type": "array", "items": _RECORD, "minItems": 1024}},
     "regex-words": {"regex": "([a-z]+ )+"},
 }
 

@@ -4,7 +4,8 @@ time goes, kernel by kernel, on the same prompts.
     PYTHONPATH=. python benchmarks/peer_profile.py --engine ours MODEL_DIR [--quantization fp8]
     VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=<vllm site>:. python benchmarks/peer_profile.py --engine vllm \\
         MODEL_DIR [--quantization fp8] [--dummy-range 0.035]
-    ... [--structured-outputs json-records] [--no-profile]     # issue #39's side by side (xgrammar in both)
+    ... [--structured-outputs json-records-1024] [--no-profile]     # issue #39's side by side (xgrammar in both;
+                                                                    # a schema no request completes: like for like)
 
 Both engines load `load_format="dummy"` weights (MODEL_DIR holds config.json). The standard workload (256
 requests, bench.make_workload, ignore_eos, T 0.6) is timed once; then the same 256 prompts run with 24 output

@@ -426,3 +426,16 @@ def test_workload_option_takes_one_several_or_all():
     assert bench.workload_names("all") == bench.WORKLOADS
     with pytest.raises(argparse.ArgumentTypeError, match="unknown workload 'fast'"):
         bench.workload_names("standard,fast")
+
+
+def test_the_like_for_like_structured_preset_needs_1024_records():
+    """json-records-1024, issue #39's side by side: a document of fewer than 1,024 records does not complete it,
+    and the shortest record is 38 characters, so no request of up to 1,024 tokens completes it (no tokenizer's
+    tokens average 38 characters) and every engine masks all its steps, whatever it does after completion."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+    grammar = xgr.Grammar.from_json_schema(json.dumps(bench.STRUCTURED_PRESETS["json-records-1024"]["json"]))
+    record = json.dumps({"id": 0, "name": "", "tags": [], "score": 0}, separators=(",", ":"))
+    assert len(record) == 38
+    assert _is_grammar_accept_string(grammar, "[" + ",".join([record] * 1024) + "]")
+    assert not _is_grammar_accept_string(grammar, "[" + ",".join([record] * 1023) + "]")
