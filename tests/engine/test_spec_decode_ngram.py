@@ -32,6 +32,29 @@ def test_ngram_draft_proposes_what_followed_the_longest_earliest_match(context, 
     assert ngram_draft(np.array(context), k, *lookup).tolist() == draft
 
 
+def brute_force_draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule spelled out: for n from the longest down, the earliest end e < len - 1 whose n tokens up to
+    e equal the last n tokens; the k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for end in range(n - 1, len(tokens) - 1):
+            if tokens[end - n + 1:end + 1] == tokens[len(tokens) - n:]:
+                return tokens[end + 1:end + 1 + k]
+    return []
+
+
+def test_ngram_draft_follows_the_rule_on_random_sequences():
+    """Small vocabularies (many candidates: the numpy path) and larger ones (few: the Python path), short
+    and long sequences, every lookup range."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        length, vocab = int(rng.integers(1, 80)), int(rng.choice([2, 3, 5, 40]))
+        tokens = rng.integers(0, vocab, length).tolist()
+        k, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        assert ngram_draft(np.array(tokens, dtype=np.int64), k, min_n, max_n).tolist() == \
+            brute_force_draft(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+
+
 def test_the_proposer_caps_each_sequence_and_follows_it_as_it_grows():
     """At most min(k, max_drafts) tokens each (none for a cap of 0 or less); the tokens a sequence gains
     later are seen the next time (each one's array grows, only by what is new)."""
