@@ -122,11 +122,9 @@ def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, strid
     offs_s = tl.arange(0, SPLITS_BLOCK)
     offs_d = tl.arange(0, D_PAD)
     first = (b.to(tl.int64) * num_heads + head) * num_splits
-    # two passes over the splits, SPLITS_BLOCK at a time: the largest max, then the rescaled sums
-    m_max = tl.max(tl.full([SPLITS_BLOCK], -1.0e30, dtype=tl.float32), 0)
-    for s0 in range(0, num_splits, SPLITS_BLOCK):
-        m = tl.load(part_m_ptr + first + s0 + offs_s, mask=s0 + offs_s < num_splits, other=-1.0e30)
-        m_max = tl.maximum(m_max, tl.max(m, 0))
+    # one pass over the splits, SPLITS_BLOCK at a time, rescaling the running sums to the largest max so far
+    # (up to 16 splits, the usual case: one block, each partial read once)
+    m_run = tl.max(tl.full([SPLITS_BLOCK], -1.0e30, dtype=tl.float32), 0)
     l_sum = tl.sum(tl.zeros([SPLITS_BLOCK], dtype=tl.float32), 0)
     acc_sum = tl.zeros([D_PAD], dtype=tl.float32)
     for s0 in range(0, num_splits, SPLITS_BLOCK):
@@ -135,9 +133,12 @@ def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, strid
         m = tl.load(part_m_ptr + row, mask=s_ok, other=-1.0e30)   # empty split: m = -1e30, l = 0
         l = tl.load(part_l_ptr + row, mask=s_ok, other=0.0)
         acc = tl.load(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        w = tl.exp2(m - m_max)
-        l_sum += tl.sum(w * l, 0)
-        acc_sum += tl.sum(w[:, None] * acc, 0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(w * l, 0)
+        acc_sum = acc_sum * alpha + tl.sum(w[:, None] * acc, 0)
+        m_run = m_new
     out = acc_sum / tl.where(l_sum > 0.0, l_sum, 1.0)
     o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
