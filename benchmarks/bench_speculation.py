@@ -8,7 +8,9 @@ its prompt (issue #40's lookup workload), without speculation and with each conf
 
 Each request runs alone (greedy, one at a time, after a warm-up request of the same kind on another passage,
 so that no path the timed requests take compiles inside them), so the figure is one stream's tokens a second:
-of the median of --repeat passes over the conversations (the counts are a pass's).
+of the median of --repeat passes over the conversations (the counts are a pass's). Ours also times plain
+passes between the speculating ones in the same engine (its policy told never to speculate), for a ratio that
+the machine's drift between processes does not move.
 
     VLLM_SITE=/tmp/vllm-site; PYTHONPATH=$VLLM_SITE python benchmarks/bench_speculation.py --engine vllm \
         --dtype bfloat16 --spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, \
@@ -59,25 +61,34 @@ VLLM_STATS = dict(zip(STATS, ("vllm:spec_decode_num_drafts", "vllm:spec_decode_n
                               "vllm:spec_decode_num_accepted_tokens")))
 
 
+def one_pass(chat, max_tokens: int) -> tuple[list[str], int, float]:
+    """chat(conversation, max_tokens) -> (text, token count) over every conversation, one at a time."""
+    texts, tokens, seconds = [], 0, 0.0
+    for conversation in conversations():
+        start = perf_counter()
+        text, count = chat(conversation, max_tokens)
+        seconds += perf_counter() - start
+        texts.append(text)
+        tokens += count
+    return texts, tokens, seconds
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def timed_chats(chat, max_tokens: int, repeat: int = 1) -> tuple[list[str], int, float]:
-    """chat(conversation, max_tokens) -> (text, token count), over every conversation one at a time, `repeat`
-    times; the seconds are the median pass's (a lone small model's step is a few hundred microseconds of
-    host work, so one pass varies by tens of percent with the machine)."""
-    passes = []
-    for _ in range(repeat):
-        texts, tokens, seconds = [], 0, 0.0
-        for conversation in conversations():
-            start = perf_counter()
-            text, count = chat(conversation, max_tokens)
-            seconds += perf_counter() - start
-            texts.append(text)
-            tokens += count
-        passes.append(seconds)
-    return texts, tokens, sorted(passes)[len(passes) // 2]
+    """`repeat` passes; the seconds are the median pass's (a lone small model's step is a few hundred
+    microseconds of host work, so one pass varies by tens of percent with the machine)."""
+    passes = [one_pass(chat, max_tokens) for _ in range(repeat)]
+    return passes[-1][0], passes[-1][1], median([seconds for _, _, seconds in passes])
 
 
 def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int,
              dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
+    """With a speculative_config, plain passes alternate with the speculating ones in the same engine (its
+    policy told never to speculate): a ratio within one process, where the machine's drift between
+    processes moves each engine's figure by tens of percent."""
     import triton
     with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec, dtype=dtype) as llm:
         def chat(conversation, limit):
@@ -88,12 +99,25 @@ def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_mo
         # kernels that start-up did not compile and a request did (their compile time lands in the figure)
         compiled = []
         triton.knobs.runtime.jit_cache_hook = lambda *, fn, **_: compiled.append(fn.name) and False
+        extra = {}
         try:
-            texts, tokens, seconds = timed_chats(chat, max_tokens, repeat)
+            if spec is None:
+                texts, tokens, seconds = timed_chats(chat, max_tokens, repeat)
+            else:
+                policy = llm.spec_decode.policy
+                speculate, plain_seconds, spec_seconds = policy.speculate, [], []
+                for _ in range(repeat):
+                    policy.speculate = lambda batch_size: False
+                    plain_seconds.append(one_pass(chat, max_tokens)[2])
+                    policy.speculate = speculate
+                    texts, tokens, seconds = one_pass(chat, max_tokens)
+                    spec_seconds.append(seconds)
+                seconds = median(spec_seconds)
+                extra = {"plain_same_engine_seconds": median(plain_seconds)}
         finally:
             triton.knobs.runtime.jit_cache_hook = None
         stats = {name: (llm.stats.get(name, 0) - before.get(name, 0)) / repeat for name in STATS}
-    return texts, tokens, seconds, dict(stats, compiled_after_start_up=sorted(set(compiled)))
+    return texts, tokens, seconds, dict(stats, compiled_after_start_up=sorted(set(compiled)), **extra)
 
 
 def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
@@ -143,7 +167,9 @@ def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_l
             "ms_per_token": round(seconds / tokens * 1e3, 4), "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "mean_gained_per_verification": round(1 + accepted / steps, 3) if steps else None,
-            "compiled_after_start_up": stats["compiled_after_start_up"], "texts": texts}
+            "compiled_after_start_up": stats["compiled_after_start_up"], "texts": texts,
+            **({"speedup_same_engine": round(stats["plain_same_engine_seconds"] / seconds, 3)}
+               if "plain_same_engine_seconds" in stats else {})}
 
 
 def main() -> None:
@@ -180,8 +206,10 @@ def main() -> None:
             print(json.dumps({**result, "device": device, "requests": len(texts)}))
         else:
             name = "no speculation" if result["spec"] is None else json.dumps(result["spec"])
+            same = (f"; {result['speedup_same_engine']:.2f}x against plain passes between its own"
+                    if "speedup_same_engine" in result else "")
             print(f"{name}: {result['tok_per_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/token, "
-                  f"{result['speedup']:.2f}x), {result['accepted_tokens']:g} of {result['draft_tokens']:g} drafts "
+                  f"{result['speedup']:.2f}x{same}), {result['accepted_tokens']:g} of {result['draft_tokens']:g} drafts "
                   f"accepted, {result['mean_gained_per_verification']} tokens a verification, "
                   f"{result['same_text']}/{len(texts)} texts as without"
                   + (f"; compiled after start-up: {result['compiled_after_start_up']}"
