@@ -17,8 +17,8 @@ the machine's drift between processes does not move.
         "prompt_lookup_min": 2}'      # vLLM on the same conversations (../shared/peer/ stages it on a GPU)
 
 --engine vllm runs vLLM's LLM.chat on the same checkpoint and conversations with the same speculative_config
-(its keys are vLLM's), each configuration's engine in a process of its own, with its acceptance from
-LLM.get_metrics(). --dtype sets both engines' dtype (vLLM's
+(its keys are vLLM's), each configuration's engine in a spawned process of its own (vLLM's engine core in a
+process of its own beneath it, as by default), with its acceptance from LLM.get_metrics(). --dtype sets both engines' dtype (vLLM's
 "auto" runs a float32 checkpoint, as the default SmolLM2 is converted, in bfloat16 on a GPU; ours keeps it). Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
 accepted of those proposed, the mean tokens a verification step gained, and how many completions equal the
 plain run's text (all of them on a CPU in float32; on a GPU in bf16 a near tie may go either way). --json
@@ -123,16 +123,40 @@ def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_mo
 def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
              dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
     """vLLM's engine in a process of its own (spawned: this one may hold CUDA, and an engine that ends in a
-    process does not give all its memory back before the next one measures what is free)."""
+    process does not give all its memory back before the next one measures what is free), which may start
+    vLLM's own engine-core process as vLLM does by default."""
     import multiprocessing
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_vllm_worker, (model, spec, max_tokens, max_model_len, dtype, repeat))
+    import queue
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=_vllm_worker, args=(results, model, spec, max_tokens, max_model_len, dtype,
+                                                         repeat))
+    worker.start()
+    try:
+        while True:
+            try:
+                outcome = results.get(timeout=5)
+                break
+            except queue.Empty:
+                if not worker.is_alive():
+                    raise RuntimeError(f"vLLM's worker exited with code {worker.exitcode} before its result")
+    finally:
+        worker.join(timeout=60)
+    if isinstance(outcome, str):
+        raise RuntimeError(f"vLLM's worker failed:\n{outcome}")
+    return outcome
 
 
-def _vllm_worker(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
-                 dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
-    import os
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # a pool's worker may not start processes
+def _vllm_worker(results, *args) -> None:
+    import traceback
+    try:
+        results.put(_run_vllm_here(*args))
+    except BaseException:
+        results.put(traceback.format_exc())
+
+
+def _run_vllm_here(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
+                   dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmSamplingParams
     llm = VllmLLM(model, dtype=dtype, max_model_len=max_model_len, speculative_config=spec,
