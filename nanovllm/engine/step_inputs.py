@@ -82,20 +82,28 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
     return input_ids, columns[1]
 
 
+def segment_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Row by row, seqs[i]'s counts[i] tokens at positions starts[i] on: (each row's sequence, position, and
+    KV slot from its sequence's block table), and the block tables padded with -1."""
+    counts = np.asarray(counts, dtype=np.int64)
+    rows = np.repeat(np.arange(len(seqs)), counts)
+    firsts = np.cumsum(counts) - counts         # each sequence's first row
+    positions = np.asarray(starts, dtype=np.int64)[rows] + np.arange(len(rows)) - firsts[rows]
+    tables = np.array(padded_block_tables(seqs), dtype=np.int64)
+    pages = tables[rows, positions // block_size]
+    assert (pages >= 0).all(), "a token without a slot (a draft's must be reserved)"
+    return rows, positions, pages * block_size + positions % block_size, tables
+
+
 def prepare_segments(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
                      device: torch.device) -> torch.Tensor:
     """Attention metadata for seqs[i] computing counts[i] tokens at positions starts[i] on (their KV into
     the slots its block table gives them), attending to its cached KV before them: shaped as a prefill over
     cached prefixes (cu_seqlens, block tables), which the varlen attention reads as a chunked prefill's next
     chunk. Returns the positions; the caller supplies the tokens."""
-    bs = block_size
-    counts = np.array(counts, dtype=np.int64)
-    starts = np.array(starts, dtype=np.int64)
-    positions = np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    tables = np.array(padded_block_tables(seqs), dtype=np.int64)
-    rows = np.repeat(np.arange(len(seqs)), counts)
-    slot_mapping = tables[rows, positions // bs] * bs + positions % bs
-    assert (tables[rows, positions // bs] >= 0).all(), "a token without a slot (a draft's must be reserved)"
+    _, positions, slot_mapping, tables = segment_rows(seqs, starts, counts, block_size)
+    counts, starts = np.asarray(counts, dtype=np.int64), np.asarray(starts, dtype=np.int64)
     cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)])
     cu_seqlens_k = np.concatenate([[0], np.cumsum(starts + counts)])
     int32 = [to_device(a.astype(np.int32), device) for a in (cu_seqlens_q, cu_seqlens_k, slot_mapping, tables)]
@@ -112,20 +120,15 @@ def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: in
     attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it.
     The host waits on every such step, so its columns travel as one copy (as prepare_decode's)."""
     assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
-    counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
-    rows = np.repeat(np.arange(len(seqs)), counts)
-    num_rows, width = len(rows), max(len(seq.block_table) for seq in seqs)
-    starts = np.array([seq.num_tokens - 1 for seq in seqs], dtype=np.int64)
-    positions = starts[rows] + np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
-    tables = np.array(padded_block_tables(seqs), dtype=np.int64)[rows]
-    pages = tables[np.arange(num_rows), positions // block_size]
-    assert (pages >= 0).all(), "a token without a slot (a draft's must be reserved)"
+    rows, positions, slots, tables = segment_rows(seqs, [seq.num_tokens - 1 for seq in seqs],
+                                                  [len(d) + 1 for d in drafts], block_size)
+    num_rows, width = len(rows), tables.shape[1]
     flat = np.empty(4 * num_rows + num_rows * width, dtype=np.int64)
     flat[:num_rows] = [t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)]
     flat[num_rows:2 * num_rows] = positions
-    flat[2 * num_rows:3 * num_rows] = positions + 1                                   # context lengths
-    flat[3 * num_rows:4 * num_rows] = pages * block_size + positions % block_size     # slots
-    flat[4 * num_rows:] = tables.ravel()
+    flat[2 * num_rows:3 * num_rows] = positions + 1         # context lengths
+    flat[3 * num_rows:4 * num_rows] = slots
+    flat[4 * num_rows:] = tables[rows].ravel()              # each row reads its sequence's block table
     flat = to_device(flat, device)
     columns = flat[:4 * num_rows].view(4, num_rows)
     context = flat[2 * num_rows:].to(torch.int32)      # the kernels read int32 metadata
