@@ -18,14 +18,16 @@ the machine's drift between processes does not move.
 
 --engine vllm runs vLLM's LLM.chat on the same checkpoint and conversations with the same speculative_config
 (its keys are vLLM's), each configuration's engine in a spawned process of its own (vLLM's engine core in a
-process of its own beneath it, as by default), with its acceptance from LLM.get_metrics(). --dtype sets both engines' dtype (vLLM's
-"auto" runs a float32 checkpoint, as the default SmolLM2 is converted, in bfloat16 on a GPU; ours keeps it). Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
+process of its own beneath it, as by default), with its acceptance from LLM.get_metrics(). --dtype sets both
+engines' dtype (vLLM's "auto" runs a float32 checkpoint, as the default SmolLM2 is converted, in bfloat16 on a
+GPU; ours keeps it). Printed per configuration: tokens/s, ms/token, its speed-up over no speculation, drafts
 accepted of those proposed, the mean tokens a verification step gained, and how many completions equal the
 plain run's text (all of them on a CPU in float32; on a GPU in bf16 a near tie may go either way). --json
 prints one JSON object per configuration.
 """
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from time import perf_counter
@@ -73,15 +75,11 @@ def one_pass(chat, max_tokens: int) -> tuple[list[str], int, float]:
     return texts, tokens, seconds
 
 
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 def timed_chats(chat, max_tokens: int, repeat: int = 1) -> tuple[list[str], int, float]:
     """`repeat` passes; the seconds are the median pass's (a lone small model's step is a few hundred
     microseconds of host work, so one pass varies by tens of percent with the machine)."""
     passes = [one_pass(chat, max_tokens) for _ in range(repeat)]
-    return passes[-1][0], passes[-1][1], median([seconds for _, _, seconds in passes])
+    return passes[-1][0], passes[-1][1], statistics.median(seconds for _, _, seconds in passes)
 
 
 def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int,
@@ -112,8 +110,8 @@ def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_mo
                     policy.speculate = speculate
                     texts, tokens, seconds = one_pass(chat, max_tokens)
                     spec_seconds.append(seconds)
-                seconds = median(spec_seconds)
-                extra = {"plain_same_engine_seconds": median(plain_seconds)}
+                seconds = statistics.median(spec_seconds)
+                extra = {"plain_same_engine_seconds": statistics.median(plain_seconds)}
         finally:
             triton.knobs.runtime.jit_cache_hook = None
         stats = {name: (llm.stats.get(name, 0) - before.get(name, 0)) / repeat for name in STATS}

@@ -43,9 +43,9 @@ class SkinnyConfig:
 # 5-7% faster than cuBLAS at 1-64 rows (H100 sweep, benchmarks/bench_skinny_gemm.py --sweep). The decoder's
 # projections stay on cuBLAS: at 1-64 rows it streams them as fast as any tiles swept (within ~0.5 us either
 # way, at Qwen3-0.6B's and Qwen3-8B's shapes), but for one row, which the GEMV streams faster than either
-# (Qwen3-8B bf16 one stream 6.53 -> 5.95 ms/token with dependent launches, H100). Tried and dropped: SwiGLU's gate computed in the down
-# projection's loads (one launch fewer a layer) ran 3x slower in the engine than cuBLAS plus the separate
-# kernel: a transformed A operand costs the loop its load pipelining.
+# (Qwen3-8B bf16 one stream 6.53 -> 5.95 ms/token with dependent launches, H100). Tried and dropped: SwiGLU's
+# gate computed in the down projection's loads (one launch fewer a layer) ran 3x slower in the engine than
+# cuBLAS plus the separate kernel: a transformed A operand costs the loop its load pipelining.
 CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
     (1, SkinnyConfig(64, 4, 3, programs_per_sm=2, block_k=256)),
     (17, SkinnyConfig(128, 8, 4, programs_per_sm=2, block_m=64)),
