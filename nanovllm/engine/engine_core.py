@@ -118,7 +118,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         scheduler = self.engine.scheduler
-        return {**scheduler.stats(), "num_running": len(self.request_ids) - self._num_waiting_requests(),
+        return {**self.engine.stats, "num_running": len(self.request_ids) - self._num_waiting_requests(),
                 "num_waiting": self._num_waiting_requests(),
                 "num_used_blocks": len(scheduler.block_manager.used_block_ids),
                 "num_kvcache_blocks": len(scheduler.block_manager.blocks)}

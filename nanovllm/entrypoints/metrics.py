@@ -17,6 +17,11 @@ SCALARS = [
     ("prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens received"),
     ("generation_tokens_total", "generation_tokens_total", "counter", "Tokens generated"),
     ("requests_finished_total", "request_success_total", "counter", "Requests finished"),
+    # speculative decoding's (an engine with a speculative_config), as llm.stats names them
+    ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "counter",
+     "Sequence steps verified with at least one draft"),
+    ("spec_decode_draft_tokens", "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed"),
+    ("spec_decode_accepted_tokens", "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted"),
 ]
 HISTOGRAMS = [
     ("time_to_first_token_seconds", "Time from a request's arrival to its first token"),

@@ -63,6 +63,19 @@ def test_models_health_metrics(client):
     assert "# TYPE nanovllm:generation_tokens_total counter" in metrics.text
 
 
+def test_speculation_counters_are_metrics_where_the_engine_speculates():
+    """An engine with a speculative_config reports its draft counters (llm.stats' names): /metrics gives
+    them as counters under vLLM's names; an engine without one has none."""
+    from nanovllm.entrypoints.metrics import render_metrics
+    text = render_metrics({"spec_decode_num_drafts": 3, "spec_decode_draft_tokens": 10,
+                           "spec_decode_accepted_tokens": 7}, "m")
+    assert 'nanovllm:spec_decode_num_drafts_total{model_name="m"} 3' in text
+    assert 'nanovllm:spec_decode_num_draft_tokens_total{model_name="m"} 10' in text
+    assert 'nanovllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7' in text
+    assert "# TYPE nanovllm:spec_decode_num_accepted_tokens_total counter" in text
+    assert "spec_decode" not in render_metrics({"num_running": 1}, "m")
+
+
 def test_completion_choices_and_usage(client, fake_engine):
     """Two prompts (text and token ids) x n=2: choice i*n+j is prompt i's completion j."""
     body = client.post("/v1/completions", json={"prompt": [[72, 105], [65, 66, 67]], "n": 2, "max_tokens": 3}).json()
