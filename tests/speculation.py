@@ -95,11 +95,11 @@ def assert_seeded_draws_repeat(model, spec: dict, prompts: list[list[int]]) -> N
     assert sum(a != b for a, b in first) >= len(first) - 1
 
 
-def assert_a_mixed_batch_ends_as_plain_decoding(model, spec: dict, prompts: list[list[int]]) -> None:
+def assert_a_mixed_batch_ends_as_plain_decoding(model, spec: dict, prompts: list[list[int]]) -> dict:
     """What users mix, in one batch with a drafter: greedy requests ending on a stop string (their text and
     tokens plain decoding's), sampled n = 3 requests whose completions end at different steps (stop token ids
     over a tenth of the vocabulary, varied max_tokens), and a request aborted mid-run; every request ends,
-    nothing hangs, and afterwards no block is held."""
+    nothing hangs, and afterwards no block is held. Returns the speculating engine's llm.stats."""
     with engine(model) as llm:
         vocab = llm.config.hf_config.vocab_size
         free = llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
@@ -119,7 +119,8 @@ def assert_a_mixed_batch_ends_as_plain_decoding(model, spec: dict, prompts: list
             llm.step()
         llm.abort_request(aborted)
         outputs = llm.generate(prompts[:3] + prompts[:3], greedy + sampled, use_tqdm=False)
-        assert llm.stats["spec_decode_draft_tokens"] > 0
+        stats = llm.stats
+        assert stats["spec_decode_draft_tokens"] > 0
         assert_idle(llm)
     for out, expected in zip(outputs[:3], plain):
         assert (out["text"], out["token_ids"], out["finish_reason"]) == \
@@ -132,3 +133,4 @@ def assert_a_mixed_batch_ends_as_plain_decoding(model, spec: dict, prompts: list
             assert len(completion["token_ids"]) <= params.max_tokens
             lengths.add(len(completion["token_ids"]))
     assert len(lengths) > 1         # the completions ended at different steps
+    return stats

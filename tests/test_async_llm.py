@@ -112,6 +112,48 @@ def test_a_request_ends_exactly_when_its_last_completion_does(tiny_model, engine
     assert engine.stats()["num_used_blocks"] == 0
 
 
+def test_a_speculating_engine_streams_the_same_mix_and_counts_its_drafts(tiny_model):
+    """Behind AsyncLLM, n-gram speculation on every step: the mixed requests above (n completions ending at
+    different steps on stop tokens, stop strings and the length limit) and greedy ones on repeating prompts
+    (several tokens a step, max_tokens inside an accepted run) stream exactly what LLM.generate without
+    speculation returns (seeded draws are plain decoding's), while another request is aborted mid-stream;
+    every stream ends, the blocks come back, and the draft counters reach the engine's figures (/metrics'
+    source)."""
+    from speculation import REPEATING
+    requests = MIXED + [(prompt, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=1 + i % 2))
+                        for i, (prompt, m) in enumerate(zip(REPEATING, (13, 29, 40, 7)))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
+
+    async def scenario(engine):
+        async def aborted():
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            outputs = []
+            async for out in engine.generate([7, 8, 7, 8, 7, 8], params, "aborted"):
+                if not outputs:                 # at its first output: the rest of its 200 tokens never come
+                    await engine.abort("aborted")
+                outputs.append(out)
+            return outputs[-1]
+        jobs = [collect(engine, p, sp, f"spec-{i}") for i, (p, sp) in enumerate(requests)]
+        return await asyncio.wait_for(asyncio.gather(aborted(), *jobs), 120)
+
+    with AsyncLLM(str(tiny_model), device="cpu", max_model_len=256, speculative_config=spec) as engine:
+        last_aborted, *streamed = asyncio.run(scenario(engine))
+        stats = engine.stats()
+    with LLM(str(tiny_model), device="cpu", max_model_len=256) as llm:
+        offline = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    assert last_aborted.finished and last_aborted.output["outputs"][0]["finish_reason"] == "abort"
+    for (texts, tokens, outputs), expected in zip(streamed, offline):
+        assert outputs[-1].finished and all(not out.finished for out in outputs[:-1])
+        for index, completion in enumerate(expected["outputs"]):
+            assert tokens[index] == completion["token_ids"] and texts[index] == completion["text"]
+            got = outputs[-1].output["outputs"][index]
+            assert (got["finish_reason"], got["stop_reason"]) == \
+                (completion["finish_reason"], completion["stop_reason"])
+    assert stats["num_used_blocks"] == 0
+    assert 0 < stats["spec_decode_accepted_tokens"] <= stats["spec_decode_draft_tokens"]
+
+
 def test_structured_outputs_stream_and_a_bad_one_is_refused_in_the_callers_process(tiny_model, engine):
     """A regex-constrained request with n = 3 (random weights, temperature 1: only the mask keeps it in
     shape): every streamed completion matches in full and equals LLM.generate's for the same seed; a

@@ -13,7 +13,8 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.ngram_proposer import ngram_draft
 from sampling_reference import chi_square_p_value
-from speculation import BLOCK, GREEDY, REPEATING, VOCAB, assert_idle, completions_step_by_step, engine, tokens
+from speculation import (BLOCK, GREEDY, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding, assert_idle,
+                         completions_step_by_step, engine, tokens)
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
@@ -94,6 +95,32 @@ def test_preemption_and_chunked_prefill_give_the_same_tokens(tiny_model, greedy_
         assert stats["num_preemptions"] > 0 and stats["spec_decode_accepted_tokens"] > 0
         assert_idle(llm)
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(greedy_reference)
+
+
+def test_a_mixed_batch_with_stop_strings_n_and_an_abort_ends_as_plain_decoding(tiny_model):
+    """The mix the drafters' files run too (speculation.assert_a_mixed_batch_ends_as_plain_decoding), with
+    n-gram drafts."""
+    stats = assert_a_mixed_batch_ends_as_plain_decoding(tiny_model, ngram(3), REPEATING)
+    assert stats["spec_decode_accepted_tokens"] > 0
+
+
+def test_seeded_n_completions_ending_at_different_steps_under_preemption_are_plain_decodings(tiny_model):
+    """Seeded n = 3 requests whose completions end at different steps (stop token ids, varied max_tokens),
+    with a stop string, in a cache too small for them all (10 blocks, no prefix caching: decode preempts and
+    recomputes): every completion, its text and finish reason, is what plain decoding gives with room."""
+    stops = list(range(3, VOCAB, 37))
+    params = [SamplingParams(n=3, temperature=0.3, seed=90 + i, max_tokens=24 + 8 * i, stop_token_ids=stops,
+                             stop=["zz"] if i == 1 else None, ignore_eos=True) for i in range(4)]
+    with engine(tiny_model, ngram(3), num_kvcache_blocks=10, enable_prefix_caching=False) as llm:
+        outputs = llm.generate(REPEATING, params, use_tqdm=False)
+        stats = llm.stats
+        assert_idle(llm)
+    with engine(tiny_model) as llm:
+        expected = llm.generate(REPEATING, params, use_tqdm=False)
+    fields = [[(c["token_ids"], c["text"], c["finish_reason"]) for c in out["outputs"]] for out in outputs]
+    assert fields == [[(c["token_ids"], c["text"], c["finish_reason"]) for c in out["outputs"]] for out in expected]
+    assert len({len(c["token_ids"]) for out in outputs for c in out["outputs"]}) > 3
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_accepted_tokens"] > 0
 
 
 def test_n_greedy_completions_are_all_the_greedy_tokens(spec, greedy_reference):
@@ -230,7 +257,6 @@ def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, law_prom
     token, where t1 had a match and so a draft, follows the exact law of plain decoding there (mixed over
     t1, transformers' probabilities; Pearson's chi-square), drafts are accepted at the rate that law gives
     them and rejected otherwise, and plain decoding draws the very same tokens with the same seed."""
-    import torch
     prompt, first, following = law_prompt
     params = SamplingParams(n=N_LAW, seed=21, max_tokens=3, ignore_eos=True, **LAW)
 
