@@ -9,8 +9,9 @@ time goes, kernel by kernel, on the same prompts.
 
 Both engines load `load_format="dummy"` weights (MODEL_DIR holds config.json). The standard workload (256
 requests, bench.make_workload, ignore_eos, T 0.6) is timed once; then the same 256 prompts run with 24 output
-tokens (their prompts now cached) and again, one token longer each, under torch.profiler: the table lists the
-kernels by GPU time, with calls and time a call.
+tokens (their prompts cut to whole 256-token pages, now cached) and again, one token longer each, under
+torch.profiler: one step of 256 new tokens, then decode steps of 256 sequences; the table lists the kernels
+by GPU time, with calls and time a call.
 
 --dummy-range (vLLM only): vLLM draws dummy weights uniform in [-1e-3, 1e-3], norm weights included, and
 with them a mixture-of-experts router sends every token to the same few experts (its grouped GEMMs then read a
@@ -31,6 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import STRUCTURED_PRESETS, make_workload  # noqa: E402
 
 PROFILED_TOKENS = 24
+PAGE = 256          # our KV page (vLLM's 16 divides it)
+
+
+def paged_prompt(prompt: list[int], page: int = PAGE) -> list[int]:
+    """The prompt cut to whole pages of `page` tokens, or repeated to one page where it is shorter."""
+    if len(prompt) < page:
+        prompt = prompt * -(-page // len(prompt))
+    return prompt[:len(prompt) // page * page]
 
 
 def widen_vllm_dummy_weights(bound: float) -> None:
@@ -107,17 +116,21 @@ def main() -> None:
     if args.no_profile:
         exit_engine()
         return
-    short = [PROFILED_TOKENS] * len(workload.prompts)
-    generate(workload.prompts, short, 0.6)                              # every prompt now in the prefix cache
+    # the profiled prompts: the workload's, cut (or, under 256 tokens, repeated) to whole 256-token pages, so
+    # that both engines find every one cached whole (ours pages 256 tokens, vLLM 16) and the window is one
+    # step of 256 new tokens and decode steps of 256 sequences
+    prompts = [paged_prompt(prompt) for prompt in workload.prompts]
+    short = [PROFILED_TOKENS] * len(prompts)
+    generate(prompts, short, 0.6)                                       # every prompt now in the prefix cache
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = perf_counter()
-        generate([prompt + [7] for prompt in workload.prompts], short, 0.6)
+        generate([prompt + [7] for prompt in prompts], short, 0.6)
         elapsed = perf_counter() - start
     exit_engine()
     events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in events)
-    print(f"profiled: {elapsed:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s: 256 cached prompts + 1 token each, "
-          f"{PROFILED_TOKENS} output tokens")
+    print(f"profiled: {elapsed:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s: 256 cached prompts of "
+          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens on average + 1 token each, {PROFILED_TOKENS} output tokens")
     print(f"{'GPU ms':>10} {'calls':>7} {'us/call':>9}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
         print(f"{e.self_device_time_total / 1e3:10.2f} {e.count:7d} {e.self_device_time_total / e.count:9.2f}  "

@@ -14,7 +14,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import (DUMMY_SHAPES, MAX_MODEL_LEN, RANDOM_SHAPES, WORKLOAD_MAX_MODEL_LEN, WORKLOADS,  # noqa: E402
+from bench import (MAX_MODEL_LEN, RANDOM_SHAPES, WORKLOAD_MAX_MODEL_LEN, WORKLOADS,  # noqa: E402
                    default_model, draw_workload)
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.sampled_tokens import SampledTokens  # noqa: E402
@@ -59,7 +59,8 @@ def main() -> None:
     model = args.model or default_model("cuda", args.shape)
     workload = draw_workload(args.workload, "cuda", num_seqs=args.num_seqs, max_input_len=1024, max_output_len=1024)
     max_model_len = MAX_MODEL_LEN if args.workload == "standard" else WORKLOAD_MAX_MODEL_LEN
-    load_format = "dummy" if args.model is None and args.shape in DUMMY_SHAPES else "auto"   # config-only shapes
+    # config-only checkpoints (the 30B-A3B shape, or --model a directory without weights): dummy weights
+    load_format = "auto" if any(Path(model).glob("*.safetensors")) else "dummy"
     llm = LLM(str(model), max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               enforce_eager=args.enforce_eager, disable_custom_all_reduce=args.disable_custom_all_reduce,
               load_format=load_format, quantization=args.quantization)
