@@ -14,7 +14,7 @@ scales, in two launches that never wait for the host (a decode step replays in a
    - 128x128 block weights: our Triton kernel; each K step of 128 columns is one tensor-core dot whose float32
      result is scaled by its activation group's and weight block's scales before it joins the accumulator
      (DeepSeek's promotion: the FP8 dot's limited internal accumulation never spans more than 128 products);
-   - a decode step (M <= 16), either scheme: `fp8_skinny_gemm`, the same dot with K split over more programs
+   - a decode step (M <= 64), either scheme: `fp8_skinny_gemm`, the same dot with K split over more programs
      (a weight-bound GEMM needs every SM streaming), its parts added in a fixed order; one row with
      per-channel weights: `skinny_gemm.gemv`, float32 products on CUDA cores (fp8_linear then skips the
      quantization pass: the GEMV reads the row in the model's dtype).
@@ -37,7 +37,7 @@ from nanovllm.kernels.skinny_gemm import SkinnyConfig
 FP8_MAX = 448.0         # largest finite float8_e4m3fn value
 MIN_AMAX = 1e-12        # an all-zero row or group gets a tiny scale (its values quantize to 0), never 0/0
 GROUP = 128             # activation group (block scheme) = the weight block's K width
-SCALED_MM_MIN_TOKENS = 17   # fewer rows: our decode tiles (torch._scaled_mm is tuned for GEMMs, not GEMVs)
+SCALED_MM_MIN_TOKENS = 65   # fewer rows: our decode tiles (SKINNY_CONFIGS; cuBLASLt idles SMs at these shapes)
 # the kernels' copies (a @triton.jit function reads only constexpr globals)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -228,11 +228,15 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
 
 
 # ---- decode: the GEMM split over K (nanovllm.kernels.skinny_gemm) ---------------------------------------------
-# (smallest M, config): a decode step's few rows, from an H100 sweep (benchmarks/bench_fp8_gemm.py --sweep);
-# larger M takes fp8_gemm or _scaled_mm. (Tried and slower there: activation quantization fused into this
-# kernel, with CUDA-core products for M <= 4: their fp8 -> float32 conversions cost more than the launch saved.)
+# (smallest M, config): a decode step's rows, from H100 sweeps (benchmarks/bench_fp8_gemm.py --sweep); larger M
+# takes fp8_gemm or _scaled_mm. 17-64 rows: one 64-row tile, K split in two where the column tiles fill half
+# the SMs or less (Qwen3-8B's o and down); Qwen3-8B's four projections at M = 64 in 93 us against cuBLASLt's
+# 112 (its tiles of 128 rows leave half the SMs idle there), at 128 rows within 2%, at 256 cuBLASLt ahead.
+# (Tried and slower: activation quantization fused into this kernel, with CUDA-core products for M <= 4: their
+# fp8 -> float32 conversions cost more than the launch saved.)
 SKINNY_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
     (1, SkinnyConfig(64, 4, 4, programs_per_sm=1)),
+    (17, SkinnyConfig(64, 4, 5, programs_per_sm=0.5, block_m=64)),
 )
 
 
@@ -242,7 +246,7 @@ def choose_skinny_config(num_rows: int) -> SkinnyConfig | None:
 
 def fp8_skinny_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     out_dtype: torch.dtype, block_scaled: bool, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """fp8_gemm for M <= 16 (a decode step), K split over more programs than N's tiles alone would give."""
+    """fp8_gemm for M <= 64 (a decode step), K split over more programs than N's tiles alone would give."""
     assert a.dtype == b.dtype == torch.float8_e4m3fn and a_scale.is_contiguous() and b_scale.is_contiguous()
     config = config or choose_skinny_config(a.shape[0])
     assert config is not None and a.shape[0] <= config.block_m and config.block_k == GROUP

@@ -34,7 +34,7 @@ class SkinnyConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    programs_per_sm: int = 1    # K is split until the grid has about this many programs per SM
+    programs_per_sm: float = 1  # K is split until the grid has about this many programs per SM
     block_m: int = 16           # rows per tile (a tensor-core dot takes 16 or more)
     block_k: int = 128          # FP8 block scales: one activation group a step
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import flash_attn_with_kvcache, torch_flash_attn_with_kvcache
-from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention
+from nanovllm.kernels.decode_attention import REDUCE_SPLITS, choose_num_splits, decode_attention
 from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
@@ -42,12 +42,12 @@ def test_decode_default(group, head_dim):
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 20])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, REDUCE_SPLITS + 6])
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
 def test_split_edges(num_splits, use_tma):
-    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks (20
-    splits: the reduce combines them 16 at a time); K/V tiles loaded through pointers and through TMA
-    descriptors (Hopper's path)."""
+    """Context lengths at and around split and tile edges (tiles of 16), down to 1, over many blocks (more
+    splits than the reduce combines at once: it takes them in two rounds); K/V tiles loaded through pointers
+    and through TMA descriptors (Hopper's path)."""
     bn = 16
     lens = [1, 2, bn - 1, bn, bn + 1, num_splits * bn - 1, num_splits * bn, num_splits * bn + 1, 200]
     q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float32, DEVICE)

@@ -257,7 +257,7 @@ def fp8_layer(method, rows: int, cols: int) -> ColumnParallelLinear:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the fused kernels: needs a CUDA GPU"))])
 @pytest.mark.parametrize("method", [CHANNEL, BLOCK], ids=["channel", "block"])
-@pytest.mark.parametrize("num_rows", [1, 5, 40])       # one row (the GEMV on a GPU), skinny GEMM, a tiled one
+@pytest.mark.parametrize("num_rows", [1, 5, 40, 80])   # the GEMV (one row, on a GPU), skinny GEMMs, a tiled one
 def test_norm_and_gate_write_an_fp8_layers_input_as_the_layer_would_quantize_it(num_rows, method, device):
     """A module whose output one FP8 layer alone reads (RMSNorm before q/k/v or gate/up, SiLU-and-mul before
     down) hands it the e4m3 values and scales the layer would have computed (on a GPU in the same kernel as
