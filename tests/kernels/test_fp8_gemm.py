@@ -51,13 +51,18 @@ def test_each_tile_config_matches_the_torch_path(first, block_scaled):
     q_w, s_w = quantize_weight(torch.randn(n, k, device=DEVICE) * 0.05, scheme)
     q_x, s_x = fp8_gemm.quantize_activations(x, 128 if block_scaled else None)
     out = fp8_gemm.fp8_gemm(q_x, s_x, q_w, s_w, torch.float32, block_scaled, config=config)
-    ref = fp8_linear_torch(x, q_w, s_w, scheme)          # float32 sums in another order: rounding apart
-    if DEVICE == "cuda" and config.block_m >= 64:
-        # Hopper's FP8 wgmma keeps about 14 bits of its running sum (DeepSeek-V3, section 3.3.2) within each
-        # 128-product step: bounded against the sum of the products' magnitudes, not their sum
+    assert_matches_the_torch_path(out, x, q_w, s_w, scheme, config.block_m)
+
+
+def assert_matches_the_torch_path(out, x, q_w, s_w, scheme, block_m):
+    """A kernel's float32 output against fp8_linear_torch (float32 sums in another order: rounding apart). Tiles
+    of 64 rows or more run on Hopper's FP8 wgmma, which keeps about 14 bits of its running sum (DeepSeek-V3,
+    section 3.3.2) within each 128-product step: bounded against the sum of the products' magnitudes there."""
+    ref = fp8_linear_torch(x, q_w, s_w, scheme)
+    if DEVICE == "cuda" and block_m >= 64:
         magnitude = reference(x, q_w, s_w, scheme, absolute=True)
         ratio = ((out - ref).abs() / (magnitude + 1e-6)).max().item()
-        print(f"config {first}, {scheme}: |out - ref| <= {ratio:.2e} x the products' magnitude")
+        print(f"{block_m}-row tiles, {scheme}: |out - ref| <= {ratio:.2e} x the products' magnitude")
         assert ratio <= 2 ** -11
     else:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
@@ -82,8 +87,7 @@ def test_each_decode_config_matches_the_torch_path(first, block_scaled, split):
         x = activations(m, k, seed=m)
         q_x, s_x = fp8_gemm.quantize_activations(x, 128 if block_scaled else None)
         out = fp8_gemm.fp8_skinny_gemm(q_x, s_x, q_w, s_w, torch.float32, block_scaled, config)
-        ref = fp8_linear_torch(x, q_w, s_w, scheme)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+        assert_matches_the_torch_path(out, x, q_w, s_w, scheme, config.block_m)
         x = x.bfloat16()                                       # the model's dtype, through the config chosen for M
         if m == 1 and not block_scaled:     # one row: the GEMV reads it unquantized
             ref = x.float() @ dequantize_weight(q_w, s_w, scheme).t()
