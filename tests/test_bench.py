@@ -439,3 +439,21 @@ def test_the_like_for_like_structured_preset_needs_1024_records():
     assert len(record) == 38
     assert _is_grammar_accept_string(grammar, "[" + ",".join([record] * 1024) + "]")
     assert not _is_grammar_accept_string(grammar, "[" + ",".join([record] * 1023) + "]")
+
+
+def test_the_scheduler_simulation_counts_what_a_kv_cache_of_that_size_makes_the_scheduler_do(monkeypatch):
+    """benchmarks/simulate_scheduler.py: with room for everything the standard workload's requests all start at
+    once, nothing is recomputed, and decode takes the longest output's steps; in a cache too small for them the
+    scheduler preempts, and the watermark makes it recompute less."""
+    from benchmarks import simulate_scheduler
+    from nanovllm.engine import scheduler as scheduler_module
+    workload = bench.make_workload(32, 1024, 1024, seed=0)
+    roomy = simulate_scheduler.simulate(200_000, 16, num_seqs=32)
+    assert roomy["preemptions"] == 0 and roomy["prefill_tokens"] == sum(map(len, workload.prompts))
+    assert roomy["decode_steps"] == max(workload.max_tokens) - 1
+    tight = {}
+    for watermark in (0.0, 0.05):
+        monkeypatch.setattr(scheduler_module, "WATERMARK", watermark)
+        tight[watermark] = simulate_scheduler.simulate(6_000, 16, num_seqs=32)
+    assert tight[0.0]["preemptions"] > tight[0.05]["preemptions"] > 0
+    assert tight[0.0]["prefill_tokens"] > tight[0.05]["prefill_tokens"] > roomy["prefill_tokens"]

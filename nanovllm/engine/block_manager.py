@@ -89,12 +89,13 @@ class BlockManager:
             self.free_block_ids.remove(block_id)
             self.used_block_ids.add(block_id)
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Whether allocate(seq) finds the free blocks it needs and leaves `reserve` of them free."""
         if seq.block_table:     # holding its prompt's full blocks (share_prompt): only the rest are new
-            return seq.num_blocks - len(seq.block_table) <= len(self.free_block_ids)
+            return seq.num_blocks - len(seq.block_table) + reserve <= len(self.free_block_ids)
         hits = self._cached_prefix(seq)
         num_shared = sum(1 for block_id in hits if block_id in self.used_block_ids)
-        return seq.num_blocks - num_shared <= len(self.free_block_ids)
+        return seq.num_blocks - num_shared + reserve <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence) -> None:
         """Give seq blocks for all its tokens, reusing cached prefix blocks (num_cached_tokens counts them).

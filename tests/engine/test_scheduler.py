@@ -95,6 +95,30 @@ def test_a_lone_sequence_that_cannot_grow_is_preempted_itself():
     assert seqs == [] and not is_prefill and list(s.waiting) == [a] and not s.running
 
 
+def test_a_waiting_sequence_starts_beside_running_ones_only_if_the_watermark_stays_free():
+    """Else the next decode steps would preempt it again and recompute it, over and over; alone it starts
+    whatever it leaves free."""
+    s = scheduler(num_blocks=200, max_num_batched_tokens=1024)
+    assert s.watermark_blocks == 2                              # 1% of the blocks
+    a = seq(4 * 100)
+    s.add(a)
+    run_step(s)                                                 # a holds 100 blocks: 100 free
+    b, c = seq(4 * 99, first=1000), seq(4 * 97, first=2000)
+    s.add(b)
+    seqs, is_prefill = s.schedule()                             # b would leave 1 free: it waits
+    assert not is_prefill and seqs == [a] and list(s.waiting) == [b]
+    s.postprocess(s.launched(seqs), [7])                        # a took its 101st block: 99 free
+    s.waiting.clear()
+    s.add(c)
+    seqs, is_prefill = s.schedule()                             # c leaves 2 free: it starts
+    assert is_prefill and seqs == [c] and s.block_manager.num_free_blocks == 2
+    lone = scheduler(num_blocks=200, max_num_batched_tokens=1024)
+    d = seq(4 * 199)
+    lone.add(d)
+    seqs, is_prefill = lone.schedule()
+    assert is_prefill and seqs == [d] and lone.block_manager.num_free_blocks == 1
+
+
 def test_preempted_sequence_recomputes_and_revives_its_cached_blocks():
     s = scheduler(num_blocks=3)
     a, b = seq(8), seq(3, first=30)
