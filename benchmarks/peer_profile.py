@@ -11,7 +11,8 @@ Both engines load `load_format="dummy"` weights (MODEL_DIR holds config.json). T
 requests, bench.make_workload, ignore_eos, T 0.6) is timed once; then the same 256 prompts run with 24 output
 tokens (their prompts cut to whole 256-token pages, now cached) and again, one token longer each, under
 torch.profiler: one step of 256 new tokens, then decode steps of 256 sequences; the table lists the kernels
-by GPU time, with calls and time a call.
+by GPU time, with calls and time a call, then a step's GPU time by kind (attention, GEMMs, MoE experts, the
+small kernels, sampling, copies; CATEGORIES names them for both engines).
 
 --dummy-range (vLLM only): vLLM draws dummy weights uniform in [-1e-3, 1e-3], norm weights included, and
 with them a mixture-of-experts router sends every token to the same few experts (its grouped GEMMs then read a
@@ -21,6 +22,7 @@ vLLM's engine must run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) for th
 """
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from time import perf_counter
@@ -33,6 +35,26 @@ from bench import STRUCTURED_PRESETS, make_workload  # noqa: E402
 
 PROFILED_TOKENS = 24
 PAGE = 256          # our KV page (vLLM's 16 divides it)
+
+
+ELEMENTWISE = "norms, activations, RoPE, K/V store, quantization, the rest"
+# kernel name patterns of both engines (ours: Triton kernels by name, cuBLAS's nvjet; vLLM's: FlashAttention 3,
+# CUTLASS, Inductor's fused Triton kernels), first match wins: the per-step table's rows
+CATEGORIES = (
+    ("attention", re.compile(r"decode_kernel|prefill_kernel|_reduce_kernel|FlashAttn|flash::|paged_attention")),
+    ("MoE experts", re.compile(r"fused_moe|_gate_up_kernel|_down_kernel|moe_align|topk|_route")),
+    # Inductor's fused kernels (vLLM) are named after every op they hold, cutlass_scaled_mm's quantization too
+    (ELEMENTWISE, re.compile(r"^triton_")),
+    ("GEMMs (projections, LM head)", re.compile(r"nvjet|gemm|gemv|cutlass|sm90_xmma|ampere_|_scaled_mm")),
+    ("sampling", re.compile(r"argmax|gumbel|sample|temperature|_pick_kernel|top_k|top_p|softmax")),
+    ("copies and fills", re.compile(r"Memcpy|Memset|memcpy|copy_kernel|FillFunctor|gather|scatter|index")),
+    (ELEMENTWISE, re.compile(r".")),
+)
+
+
+def category(kernel: str) -> str:
+    """The per-step table's row for a kernel's name."""
+    return next(name for name, pattern in CATEGORIES if pattern.search(kernel))
 
 
 def paged_prompt(prompt: list[int], page: int = PAGE) -> list[int]:
@@ -130,11 +152,19 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in events)
     print(f"profiled: {elapsed:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s: 256 cached prompts of "
-          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens on average + 1 token each, {PROFILED_TOKENS} output tokens")
+          f"{sum(map(len, prompts)) / len(prompts):.0f} tokens on average + 1 token each, "
+          f"{PROFILED_TOKENS} output tokens")
     print(f"{'GPU ms':>10} {'calls':>7} {'us/call':>9}  kernel")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
         print(f"{e.self_device_time_total / 1e3:10.2f} {e.count:7d} {e.self_device_time_total / e.count:9.2f}  "
               f"{e.key[:110]}")
+    totals = dict.fromkeys((name for name, _ in CATEGORIES), 0.0)
+    for e in events:
+        totals[category(e.key)] += e.self_device_time_total
+    print(f"per step ({PROFILED_TOKENS} steps: one of 256 new tokens, the rest decode steps of 256 sequences):")
+    for name, us in totals.items():
+        print(f"{us / PROFILED_TOKENS / 1e3:10.3f} ms  {name}")
+    print(f"{busy_us / PROFILED_TOKENS / 1e3:10.3f} ms  GPU busy")
 
 
 if __name__ == "__main__":

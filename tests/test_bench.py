@@ -457,3 +457,25 @@ def test_the_scheduler_simulation_counts_what_a_kv_cache_of_that_size_makes_the_
         tight[watermark] = simulate_scheduler.simulate(6_000, 16, num_seqs=32)
     assert tight[0.0]["preemptions"] > tight[0.05]["preemptions"] > 0
     assert tight[0.0]["prefill_tokens"] > tight[0.05]["prefill_tokens"] > roomy["prefill_tokens"]
+
+
+def test_the_side_by_side_profile_files_both_engines_kernels_where_they_belong():
+    """benchmarks/peer_profile.py's per-step table: kernel names of ours and of vLLM 0.26.0 as an H100 profile
+    lists them (vLLM's Inductor kernels carry the name of the GEMM whose input they quantize)."""
+    from benchmarks.peer_profile import CATEGORIES, ELEMENTWISE, category
+    expected = {
+        "_decode_kernel": "attention", "_reduce_kernel": "attention",
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<": "attention",
+        "void cutlass::device_kernel<flash::FlashAttnFwdCombine<cute::tuple<cute::C<8>, cute::C<128> >": "attention",
+        "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT": "GEMMs (projections, LM head)",
+        "void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<": "GEMMs (projections, LM head)",
+        "_skinny_gemm_kernel": "GEMMs (projections, LM head)", "_gemv_kernel": "GEMMs (projections, LM head)",
+        "triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_div_fused_add_rms_norm_max_mul_reciprocal": ELEMENTWISE,
+        "_silu_and_mul_quant_kernel": ELEMENTWISE, "_rotate_qk_kernel": ELEMENTWISE,
+        "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16>": ELEMENTWISE,
+        "_gate_up_kernel": "MoE experts", "fused_moe_kernel": "MoE experts",
+        "_chunk_argmax_kernel": "sampling", "_gumbel_sample_kernel": "sampling",
+        "Memcpy HtoD (Pinned -> Device)": "copies and fills", "Memset (Device)": "copies and fills",
+    }
+    assert {name: category(name) for name in expected} == expected
+    assert {category(name) for name in expected} == {name for name, _ in CATEGORIES}
