@@ -230,8 +230,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
 # ---- decode: the GEMM split over K (nanovllm.kernels.skinny_gemm) ---------------------------------------------
 # (smallest M, config): a decode step's rows, from H100 sweeps (benchmarks/bench_fp8_gemm.py --sweep); larger M
 # takes fp8_gemm or _scaled_mm. 17-64 rows: one 64-row tile, K split in two where the column tiles fill half
-# the SMs or less (Qwen3-8B's o and down); Qwen3-8B's four projections at M = 64 in 93 us against cuBLASLt's
-# 112 (its tiles of 128 rows leave half the SMs idle there), at 128 rows within 2%, at 256 cuBLASLt ahead.
+# the SMs or less (Qwen3-8B's o and down). Qwen3-8B's four projections at 24-64 rows: 89-92 us against cuBLASLt's
+# 108-116 (its 128x128 tiles make 32-192 programs for 132 SMs there); at 96-128 rows within 2%, at 256 behind.
 # (Tried and slower: activation quantization fused into this kernel, with CUDA-core products for M <= 4: their
 # fp8 -> float32 conversions cost more than the launch saved.)
 SKINNY_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
