@@ -149,11 +149,9 @@ class ModelRunner:
             if is_prefill:
                 hidden = self.graphs.prefill(input_ids, positions, num_seqs)
             else:
-                replayed = self.graphs.decode(input_ids, positions)
-                if replayed is not None:
-                    hidden, logits = replayed
-                    if logits is not None:      # a small batch's graph computes its logits too
-                        return logits
+                hidden, logits = self.graphs.decode(input_ids, positions) or (None, None)
+                if logits is not None:          # a small batch's graph computes its logits too
+                    return logits
         if hidden is None:
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden)

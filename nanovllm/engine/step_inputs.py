@@ -82,8 +82,8 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
     return input_ids, columns[1]
 
 
-def segment_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def segment_rows(seqs: list[Sequence], starts: list[int] | np.ndarray, counts: list[int] | np.ndarray,
+                 block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Row by row, seqs[i]'s counts[i] tokens at positions starts[i] on: (each row's sequence, position, and
     KV slot from its sequence's block table), and the block tables padded with -1."""
     counts = np.asarray(counts, dtype=np.int64)
@@ -102,8 +102,8 @@ def prepare_segments(seqs: list[Sequence], starts: list[int], counts: list[int],
     the slots its block table gives them), attending to its cached KV before them: shaped as a prefill over
     cached prefixes (cu_seqlens, block tables), which the varlen attention reads as a chunked prefill's next
     chunk. Returns the positions; the caller supplies the tokens."""
-    _, positions, slot_mapping, tables = segment_rows(seqs, starts, counts, block_size)
     counts, starts = np.asarray(counts, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+    _, positions, slot_mapping, tables = segment_rows(seqs, starts, counts, block_size)
     cu_seqlens_q = np.concatenate([[0], np.cumsum(counts)])
     cu_seqlens_k = np.concatenate([[0], np.cumsum(starts + counts)])
     int32 = [to_device(a.astype(np.int32), device) for a in (cu_seqlens_q, cu_seqlens_k, slot_mapping, tables)]
