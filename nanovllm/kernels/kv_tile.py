@@ -76,12 +76,18 @@ def dot_operand(q, FP16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+              ROW_PAGES: tl.constexpr = False):
     """The page holding the key tile that starts at n_start, where one page holds whole tiles (BLOCK_N
     and PAGE are powers of two, n_start a multiple of BLOCK_N); 0 otherwise, or at or past `limit`.
-    Loops load it a tile ahead, so that its latency hides behind a tile of math."""
+    With ROW_PAGES, a tile that spans several pages (BLOCK_N > PAGE) gets each of its rows' pages
+    ([BLOCK_N]; 0 at or past `limit`), for load_kv_tile's ROW_PAGES. Loops load it a tile ahead, so
+    that its latency hides behind a tile of math."""
     if PAGED and BLOCK_N <= PAGE:
         return tl.load(bt_row_ptr + n_start // PAGE, mask=n_start < limit, other=0)
+    elif PAGED and ROW_PAGES:
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        return tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < limit, other=0)
     else:
         return 0
 
@@ -89,10 +95,10 @@ def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexp
 @triton.jit
 def _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, n_limit,
                     stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_PAGES: tl.constexpr = False):
     """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor."""
     if PAGED:
-        if BLOCK_N <= PAGE:               # the whole tile lies inside `page` (tile_page)
+        if BLOCK_N <= PAGE or ROW_PAGES:  # the tile lies inside `page`, or `page` holds each row's (tile_page)
             rows = page.to(tl.int64) * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
         else:
             if MASKED:
@@ -119,10 +125,11 @@ def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, lim
                  stride_kb, stride_kt, stride_vb, stride_vt,
                  PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
-                 TMA: tl.constexpr = False, kv_head=0):
+                 TMA: tl.constexpr = False, kv_head=0, ROW_PAGES: tl.constexpr = False):
     """[BLOCK_N, D_PAD] tiles of K and V for key positions n_start.. of one sequence; with MASKED,
-    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile.
-    With TMA, k_head_ptr/v_head_ptr are kv_descriptors' and kv_head picks the columns."""
+    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile
+    (with ROW_PAGES, tile_page's with ROW_PAGES). With TMA, k_head_ptr/v_head_ptr are kv_descriptors'
+    and kv_head picks the columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     if TMA:
         if PAGED:
@@ -138,7 +145,7 @@ def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, lim
     else:                                 # (Triton 3.6 traces past a return inside a constexpr branch)
         k, v = _load_kv_pointers(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, offs_n, limit, offs_d,
                                  stride_kb, stride_kt, stride_vb, stride_vt,
-                                 PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED)
+                                 PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED, ROW_PAGES)
     return k, v
 
 
@@ -146,12 +153,13 @@ def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, lim
 def _load_kv_pointers(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, offs_n, limit, offs_d,
                       stride_kb, stride_kt, stride_vb, stride_vt,
                       PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
+                      ROW_PAGES: tl.constexpr = False):
     """load_kv_tile through per-element pointers (any GPU, any layout)."""
     k_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_kb, stride_kt,
-                             PAGED, PAGE, BLOCK_N, MASKED)
+                             PAGED, PAGE, BLOCK_N, MASKED, ROW_PAGES)
     v_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_vb, stride_vt,
-                             PAGED, PAGE, BLOCK_N, MASKED)
+                             PAGED, PAGE, BLOCK_N, MASKED, ROW_PAGES)
     k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
     v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
     if MASKED:
