@@ -121,7 +121,7 @@ def _warm_eager_decodes(runner) -> None:
     """A drafter runs its decode steps eagerly (the target replays graphs with fixed buffers), so its
     attention meets the variants Triton compiles by the step's layout: batches of 1, 2 and 4 sequences (the
     inputs' columns start 4, 8 or 16 bytes into one buffer: step_inputs.prepare_decode) over block tables
-    1, 2 and 16 blocks wide (a stride of 1 and a multiple of 16 are variants of their own)."""
+    1, 2 and 16 blocks wide (the attention kernels no longer specialize on a table's width; kept as a check)."""
     block_size = runner.block_size
     most = min(runner.num_kvcache_blocks, -(-runner.config.max_model_len // block_size))
     for width in (1, 2, 16):

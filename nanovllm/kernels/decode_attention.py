@@ -48,7 +48,7 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, page, n_s
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])     # an eager step's table may be any width
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,

@@ -56,7 +56,10 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
     return acc, m_i, l_i
 
 
-@triton.jit
+# a step's block table is as wide as its longest sequence, and Triton would compile a variant of its own for
+# a row stride of 1 and for each multiple of 16 inside requests: the likely cause of 16-token pages' slow
+# prefill (H100, bench.py's standard workload, Qwen3-0.6B shape: 1.58 s against 0.30 with 256-token pages)
+@triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
