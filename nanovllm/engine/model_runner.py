@@ -71,7 +71,6 @@ class ModelRunner:
         # whose token is still PENDING on the host is taken from here, on the device
         self.sampled = torch.empty(0, dtype=torch.int64, device=self.device)
         self.sampled_rows: dict[int, int] = {}
-        self.decode_tables = step_inputs.DecodeBlockTables()    # kept from one decode step to the next
         self._deferred = None       # a step whose sampling waits for sample_deferred()
         self.ops = attention_ops(config.attention_backend)
         for layer in self._attention_layers():
@@ -136,12 +135,10 @@ class ModelRunner:
 
     # ---- per-step inputs (step_inputs.py) ---------------------------------------------------------------
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.decode_tables.clear()      # a preempted sequence comes back through a prefill, with new blocks
         return step_inputs.prepare_prefill(seqs, self.block_size, self.device)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        return step_inputs.prepare_decode(seqs, self.block_size, self.device, self.sampled, self.sampled_rows,
-                                          self.decode_tables)
+        return step_inputs.prepare_decode(seqs, self.block_size, self.device, self.sampled, self.sampled_rows)
 
     # ---- running ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -233,7 +230,6 @@ class ModelRunner:
         (layers/rejection_sampler.py). Rank 0 gets (SampledTokens of every row, num_accepted [seqs] on the
         device): seq i gains the tokens of its rows 0..num_accepted[i]. Nothing is left pending: the
         engine collects this step before it schedules the next."""
-        self.decode_tables.clear()      # lookahead blocks come and go around a verification
         input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device)
         logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
         context = get_context()

@@ -49,86 +49,26 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device)
     return input_ids, positions
 
 
-class DecodeBlockTables:
-    """The block tables of consecutive decode steps, kept as one numpy array between them.
-
-    Converting a step's tables from Python lists costs ~3 us a sequence per 64 entries, every step: with
-    small pages (16 or 32 tokens), a millisecond a step for 256 sequences of ~2,000 tokens. Between two
-    decode steps a running sequence's blocks that hold its tokens never change (it gives them back only
-    when preempted, and comes back through a prefill, which clears this): its row is copied from the last
-    step's array in one gather, and only the entries past those (a new block, or speculation's lookahead
-    blocks, which may come and go) are converted again."""
-
-    CONVERT_WIDTH = 16      # tables this narrow convert afresh faster (256 x 8 entries: 130 us, kept: 160)
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.rows: dict[int, int] = {}              # seq_id -> its row in `table`
-        self.table = np.empty((0, 0), dtype=np.int32)
-        self.kept = np.empty(0, dtype=np.int64)     # per row: entries that hold its tokens (never change)
-        self.lengths = np.empty(0, dtype=np.int64)  # per row: its block table's length
-
-    def build(self, seqs: list[Sequence]) -> np.ndarray:
-        """[len(seqs), longest table] int32, padded with -1, equal to padded_block_tables(seqs)."""
-        n, tables = len(seqs), [seq.block_table for seq in seqs]
-        lengths = np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        width = int(lengths.max())
-        if width <= self.CONVERT_WIDTH:
-            self.clear()
-            return np.fromiter(itertools.chain.from_iterable(table + [-1] * (width - len(table)) for table in tables),
-                               dtype=np.int32, count=n * width).reshape(n, width)
-        out = np.full((n, width), -1, dtype=np.int32)
-        valid = np.zeros(n, dtype=np.int64)         # leading entries copied from the last step's row
-        stale = np.zeros(n, dtype=bool)             # its row there went further (lookahead given back)
-        if self.rows:
-            rows = np.fromiter(map(self.rows.get, (seq.seq_id for seq in seqs), itertools.repeat(-1)),
-                               dtype=np.int64, count=n)
-            found = np.flatnonzero(rows >= 0)
-            rows = rows[found]
-            columns = min(out.shape[1], self.table.shape[1])
-            out[found, :columns] = self.table[rows, :columns]
-            valid[found] = np.minimum(self.kept[rows], lengths[found])
-            stale[found] = self.lengths[rows] != lengths[found]
-            # a preempted sequence must have come back through a prefill (clear()): its first block
-            # would have changed, and its row would read another sequence's cache
-            firsts = np.fromiter((table[0] if table else -1 for table in tables), dtype=np.int64, count=n)
-            assert ((valid == 0) | (out[:, 0] == firsts)).all(), "a decode step's block table went stale"
-        for i in np.flatnonzero((valid != lengths) | stale).tolist():
-            first = int(valid[i])
-            out[i, first:] = -1
-            out[i, first:lengths[i]] = tables[i][first:]
-        block_size = seqs[0].block_size
-        num_blocks = (np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=n) + block_size - 1) // block_size
-        self.rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        self.table, self.kept, self.lengths = out, np.minimum(num_blocks, lengths), lengths
-        return out
-
-
 def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, sampled: torch.Tensor,
-                   sampled_rows: dict[int, int], tables: DecodeBlockTables | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   sampled_rows: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each seq computes its last token, whose slot is the next free one of its last block. A last
     token still PENDING (sampled by the step before, not yet on the host) is read on the device: from
-    `sampled`, the last step's tokens, at the row `sampled_rows` gives its sequence. `tables`: the block
-    tables kept since the last decode step (DecodeBlockTables; None builds them afresh).
+    `sampled`, the last step's tokens, at the row `sampled_rows` gives its sequence.
 
     Runs every step (every millisecond for a lone sequence), so the columns are built as Python
     lists, read into numpy in one pass, and travel in one copy."""
     n = len(seqs)
-    block_tables = (tables or DecodeBlockTables()).build(seqs)
-    width = block_tables.shape[1]
+    width = max(len(seq.block_table) for seq in seqs)
     tokens = [seq.last_token for seq in seqs]
     context_lens = [seq.num_tokens for seq in seqs]
     positions = [length - 1 for length in context_lens]
     slots = [seq.block_table[-1] * block_size + position % block_size for seq, position in zip(seqs, positions)]
     rows = sampled_rows                # a PENDING token's row in `sampled`; -1: on the host already
     sampled_rows = [rows[seq.seq_id] if token == PENDING else -1 for seq, token in zip(seqs, tokens)]
-    flat = np.empty(5 * n + n * width, dtype=np.int32)
-    flat[:5 * n] = np.fromiter(itertools.chain(tokens, positions, context_lens, slots, sampled_rows),
-                               dtype=np.int32, count=5 * n)
-    flat[5 * n:] = block_tables.ravel()
+    block_tables = itertools.chain.from_iterable(seq.block_table + [-1] * (width - len(seq.block_table))
+                                                 for seq in seqs)
+    flat = np.fromiter(itertools.chain(tokens, positions, context_lens, slots, sampled_rows, block_tables),
+                       dtype=np.int32, count=5 * n + n * width)
     flat = to_device(flat, device)
     columns = flat[:5 * n].view(5, n)
     set_context(False, slot_mapping=columns[3], context_lens=columns[2],
