@@ -92,7 +92,7 @@ def _decode_kernel(
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
 
     # each tile's page (or, in pages smaller than a tile, each row's) is loaded a tile ahead: a tile's K/V
-    # loads wait on it (H100, Qwen3-8B bf16, 16-token pages: ... )
+    # loads wait on it (H100, Qwen3-0.6B shape, one stream in 16-token pages: 1.147 -> 1.065 ms/token)
     page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N, True)
     for n_start in range(start, full_end, BLOCK_N):
         next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N, True)
