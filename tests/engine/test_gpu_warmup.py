@@ -25,7 +25,7 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=0.6), dict(temperature=0.6, 
 
 @pytest.mark.parametrize("kv_cache_dtype,block_size", [("auto", 256), ("fp8", 256), ("auto", 16)])
 def test_no_request_compiles_a_kernel_after_start_up(make_checkpoint, kv_cache_dtype, block_size):
-    """16-token pages: block tables of every width up to 128 (a multiple of 16 is a variant Triton would
+    """16-token pages: block tables of every width up to ~95 (a multiple of 16 is a variant Triton would
     specialize)."""
     model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, kv_cache_dtype=kv_cache_dtype,
