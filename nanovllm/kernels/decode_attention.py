@@ -26,15 +26,15 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, page, n_start, end, offs_d, qk_scale,
-                 kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end, offs_d, qk_scale, kv_head,
+                 stride_kb, stride_kt, stride_vb, stride_vt,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
-    """One key tile; `page`: tile_page's (with ROW_PAGES) for it, loaded a tile ahead by the caller."""
+    """One key tile; `page`: tile_page's for it, loaded a tile ahead by the caller."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, 0, n_start, end, offs_d,
+    k, v = load_kv_tile(k_head_ptr, v_head_ptr, page, 0, n_start, end, offs_d,
                         stride_kb, stride_kt, stride_vb, stride_vt, True, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED,
-                        TMA, kv_head, ROW_PAGES=True)
+                        TMA, kv_head)
     k, v = k.to(q.dtype), v.to(q.dtype)     # an fp8 cache is dequantized here, in registers
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [GROUP_PAD, BLOCK_N]
@@ -93,15 +93,15 @@ def _decode_kernel(
 
     # each tile's page (or, in pages smaller than a tile, each row's) is loaded a tile ahead: a tile's K/V
     # loads wait on it (H100, Qwen3-0.6B shape, one stream in 16-token pages: 1.147 -> 1.065 ms/token)
-    page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N, True)
+    page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N)
     for n_start in range(start, full_end, BLOCK_N):
-        next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N, True)
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, page, n_start, end,
+        next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end,
                                      offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
                                      HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC, TMA)
         page = next_page
     if full_end < end:                  # `page` is full_end's tile's now
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, page, full_end, end,
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, full_end, end,
                                      offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
                                      HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC, TMA)
 

@@ -76,16 +76,14 @@ def dot_operand(q, FP16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-              ROW_PAGES: tl.constexpr = False):
-    """The page holding the key tile that starts at n_start, where one page holds whole tiles (BLOCK_N
-    and PAGE are powers of two, n_start a multiple of BLOCK_N); 0 otherwise, or at or past `limit`.
-    With ROW_PAGES, a tile that spans several pages (BLOCK_N > PAGE) gets each of its rows' pages
-    ([BLOCK_N]; 0 at or past `limit`), for load_kv_tile's ROW_PAGES. Loops load it a tile ahead, so
-    that its latency hides behind a tile of math."""
+def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the key tile that starts at n_start lies (BLOCK_N and PAGE powers of two, n_start a multiple of
+    BLOCK_N): the page holding it where one page holds whole tiles; where the tile spans several pages,
+    each of its rows' pages ([BLOCK_N]); 0 at or past `limit`, and 0 for packed K/V. Loops load it a tile
+    ahead, so that its latency hides behind a tile of math (the tile's K/V addresses wait on it)."""
     if PAGED and BLOCK_N <= PAGE:
         return tl.load(bt_row_ptr + n_start // PAGE, mask=n_start < limit, other=0)
-    elif PAGED and ROW_PAGES:
+    elif PAGED:
         offs_n = n_start + tl.arange(0, BLOCK_N)
         return tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < limit, other=0)
     else:
@@ -93,22 +91,13 @@ def tile_page(bt_row_ptr, n_start, limit, PAGED: tl.constexpr, PAGE: tl.constexp
 
 
 @triton.jit
-def _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, n_limit,
-                    stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_PAGES: tl.constexpr = False):
-    """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor."""
+def _kv_row_offsets(page, k_start, offs_n, stride_b, stride_t, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Element offsets of key rows `offs_n` (positions within the sequence) in a K or V tensor; `page`:
+    tile_page's (one page, or each row's)."""
     if PAGED:
-        if BLOCK_N <= PAGE or ROW_PAGES:  # the tile lies inside `page`, or `page` holds each row's (tile_page)
-            rows = page.to(tl.int64) * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
-        else:
-            if MASKED:
-                page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < n_limit, other=0).to(tl.int64)
-            else:
-                page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
-            rows = page * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
+        return page.to(tl.int64) * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t
     else:
-        rows = (k_start + offs_n).to(tl.int64) * stride_t
-    return rows
+        return (k_start + offs_n).to(tl.int64) * stride_t
 
 
 @triton.jit
@@ -121,15 +110,14 @@ def kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA: tl.constexp
 
 
 @triton.jit
-def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, limit, offs_d,
+def load_kv_tile(k_head_ptr, v_head_ptr, page, k_start, n_start, limit, offs_d,
                  stride_kb, stride_kt, stride_vb, stride_vt,
                  PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
-                 TMA: tl.constexpr = False, kv_head=0, ROW_PAGES: tl.constexpr = False):
+                 TMA: tl.constexpr = False, kv_head=0):
     """[BLOCK_N, D_PAD] tiles of K and V for key positions n_start.. of one sequence; with MASKED,
-    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile
-    (with ROW_PAGES, tile_page's with ROW_PAGES). With TMA, k_head_ptr/v_head_ptr are kv_descriptors'
-    and kv_head picks the columns."""
+    rows at or past `limit` (and padded head dims) read as zero. `page`: tile_page's for this tile.
+    With TMA, k_head_ptr/v_head_ptr are kv_descriptors' and kv_head picks the columns."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     if TMA:
         if PAGED:
@@ -143,23 +131,18 @@ def load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, lim
             k = tl.where(row_ok, k, tl.zeros_like(k))
             v = tl.where(row_ok, v, tl.zeros_like(v))
     else:                                 # (Triton 3.6 traces past a return inside a constexpr branch)
-        k, v = _load_kv_pointers(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, offs_n, limit, offs_d,
-                                 stride_kb, stride_kt, stride_vb, stride_vt,
-                                 PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED, ROW_PAGES)
+        k, v = _load_kv_pointers(k_head_ptr, v_head_ptr, page, k_start, offs_n, limit, offs_d,
+                                 stride_kb, stride_kt, stride_vb, stride_vt, PAGED, PAGE, HEAD_DIM, D_PAD, MASKED)
     return k, v
 
 
 @triton.jit
-def _load_kv_pointers(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, offs_n, limit, offs_d,
-                      stride_kb, stride_kt, stride_vb, stride_vt,
-                      PAGED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
-                      ROW_PAGES: tl.constexpr = False):
+def _load_kv_pointers(k_head_ptr, v_head_ptr, page, k_start, offs_n, limit, offs_d,
+                      stride_kb, stride_kt, stride_vb, stride_vt, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
     """load_kv_tile through per-element pointers (any GPU, any layout)."""
-    k_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_kb, stride_kt,
-                             PAGED, PAGE, BLOCK_N, MASKED, ROW_PAGES)
-    v_rows = _kv_row_offsets(bt_row_ptr, page, k_start, offs_n, limit, stride_vb, stride_vt,
-                             PAGED, PAGE, BLOCK_N, MASKED, ROW_PAGES)
+    k_rows = _kv_row_offsets(page, k_start, offs_n, stride_kb, stride_kt, PAGED, PAGE)
+    v_rows = _kv_row_offsets(page, k_start, offs_n, stride_vb, stride_vt, PAGED, PAGE)
     k_ptrs = k_head_ptr + k_rows[:, None] + offs_d[None, :]
     v_ptrs = v_head_ptr + v_rows[:, None] + offs_d[None, :]
     if MASKED:

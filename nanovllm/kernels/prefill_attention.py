@@ -30,13 +30,14 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 DOT_PREC: tl.constexpr, TMA: tl.constexpr):
-    """Online-softmax update over key tiles [lo, hi) (lo a multiple of BLOCK_N)."""
+    """Online-softmax update over key tiles [lo, hi) (lo a multiple of BLOCK_N). A tile's rows at or past hi
+    read page 0 (tile_page): causal, no query of this tile sees them; else hi is seq_k, where they are masked."""
     next_page = tile_page(bt_row_ptr, lo, hi, PAGED, PAGE, BLOCK_N)
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         page = next_page           # loaded a tile ahead (H100: 4-8% faster than loading it here)
         next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, hi, PAGED, PAGE, BLOCK_N)
-        k, v = load_kv_tile(k_head_ptr, v_head_ptr, bt_row_ptr, page, k_start, n_start, seq_k, offs_d,
+        k, v = load_kv_tile(k_head_ptr, v_head_ptr, page, k_start, n_start, seq_k, offs_d,
                             stride_kb, stride_kt, stride_vb, stride_vt,
                             PAGED, PAGE, BLOCK_N, HEAD_DIM, D_PAD, MASKED, TMA, kv_head)
         k, v = k.to(q.dtype), v.to(q.dtype)     # an fp8 cache is dequantized here, in registers
