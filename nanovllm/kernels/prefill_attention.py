@@ -10,7 +10,9 @@ Tiles that no mask touches run in a loop without masks; the tiles on the causal 
 aligned) and the ragged last tile run in a second, masked loop. With a block table, each key tile's
 rows are found through the sequence's row of it, and an fp8 cache's tiles are widened to q's dtype (to
 float16 for bf16 queries: kv_tile.wants_fp16_dots). On Hopper, 16-bit K/V tiles are copied by TMA
-(kv_tile.kv_descriptors); tile sizes follow the batch's key range (mean_keys, SHORT_KEYS).
+(kv_tile.kv_descriptors); tile sizes follow the batch's key range (mean_keys, SHORT_KEYS). Given this
+step's K/V packed beside the pages (k_new, v_new), a sequence with nothing cached reads those instead: TMA
+copies a packed tile at any page size, where pages smaller than a tile leave the paged reads to pointers.
 """
 import math
 
@@ -57,19 +59,38 @@ def _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, s
     return acc, m_i, l_i
 
 
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                 offs_m, offs_d, diag, full_end, hi, qk_scale, kv_head,
+                 stride_kb, stride_kt, stride_vb, stride_vt,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    """A query tile's keys from one source: [0, full_end) without masks, then [full_end, hi) masked."""
+    acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                                offs_m, offs_d, diag, 0, full_end, qk_scale, kv_head,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, False, DOT_PREC, TMA)
+    return _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                       offs_m, offs_d, diag, full_end, hi, qk_scale, kv_head,
+                       stride_kb, stride_kt, stride_vb, stride_vt,
+                       HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, True, DOT_PREC, TMA)
+
+
 # a step's block table is as wide as its longest sequence, and Triton would compile a variant of its own for
 # a row stride of 1 and for each multiple of 16 inside requests: the likely cause of 16-token pages' slow
 # prefill (H100, bench.py's standard workload, Qwen3-0.6B shape: 1.58 s against 0.30 with 256-token pages)
 @triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, kn_ptr, vn_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_btb, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr, TMA: tl.constexpr,
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, NEW_KV: tl.constexpr, NEW_TMA: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,7 +124,6 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_btb
 
     # key range: [0, full_end) needs no mask; [full_end, hi) is masked
@@ -118,14 +138,21 @@ def _prefill_kernel(
         full_end = seq_k
     full_end = (full_end // BLOCK_N) * BLOCK_N
 
-    acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
-                                offs_m, offs_d, diag, 0, full_end, qk_scale, kv_head,
-                                stride_kb, stride_kt, stride_vb, stride_vt,
-                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, False, DOT_PREC, TMA)
-    acc, m_i, l_i = _attn_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
-                                offs_m, offs_d, diag, full_end, hi, qk_scale, kv_head,
-                                stride_kb, stride_kt, stride_vb, stride_vt,
-                                HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, True, DOT_PREC, TMA)
+    fresh = False                                      # nothing of this sequence cached: its keys are this
+    if NEW_KV:                                         # step's, packed at q's rows in k_new/v_new
+        fresh = diag == 0
+    if fresh:
+        kn_head_ptr, vn_head_ptr = kv_head_source(kn_ptr, vn_ptr, kv_head, stride_knh, stride_vnh, NEW_TMA)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, kn_head_ptr, vn_head_ptr, bt_row_ptr, q_start, seq_k,
+                                     offs_m, offs_d, diag, full_end, hi, qk_scale, kv_head,
+                                     0, stride_knt, 0, stride_vnt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, False, PAGE, CAUSAL, DOT_PREC, NEW_TMA)
+    else:
+        k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, k_start, seq_k,
+                                     offs_m, offs_d, diag, full_end, hi, qk_scale, kv_head,
+                                     stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGED, PAGE, CAUSAL, DOT_PREC, TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)            # a row that sees no key gives zeros
     out = acc / l_safe[:, None]
@@ -163,10 +190,12 @@ def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device, key
 
 def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
                       block_table=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      max_seqlen_q=None, fp16_dots=None, use_tma=None, max_seqlen_k=None):
+                      max_seqlen_q=None, fp16_dots=None, use_tma=None, max_seqlen_k=None, k_new=None, v_new=None):
     """`flash_attn_varlen_func` with explicit tile sizes (None: the default for this head_dim, and with
     max_seqlen_k given, for the batch's key range: mean_keys).
-    use_tma: None reads 16-bit K/V through TMA where it applies (kv_tile.kv_descriptors), False never."""
+    use_tma: None reads 16-bit K/V through TMA where it applies (kv_tile.kv_descriptors), False never.
+    k_new, v_new: with a block table, this step's K/V packed like q (in the cache's dtype, already stored in
+    it): sequences with nothing cached read them instead of the pages."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -210,16 +239,24 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
     # one program per (query tile, kv head, sequence); tiles past a shorter sequence's end exit at once
     grid = (triton.cdiv(max_seqlen_q, block_m // group), num_kv_heads, num_seqs)
     descs = kv_descriptors(k, v, paged, block_n, use_tma)
+    new_kv = paged and k_new is not None
+    if new_kv:
+        assert v_new is not None and k_new.shape[0] == total_q and k_new.dtype == k.dtype, "k_new/v_new: packed like q"
+        new_descs = kv_descriptors(k_new, v_new, False, block_n, use_tma)
+    else:
+        k_new, v_new, new_descs = k, v, None          # never read
     _prefill_kernel[grid](
-        q, *(descs or (k, v)), out, cu_seqlens_q, cu_seqlens_k, bt,
+        q, *(descs or (k, v)), out, cu_seqlens_q, cu_seqlens_k, bt, *(new_descs or (k_new, v_new)),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        k_new.stride(-3), k_new.stride(-2), v_new.stride(-3), v_new.stride(-2),
         stride_btb, scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), PAGED=paged, PAGE=page,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=wants_fp16_dots(q, k) if fp16_dots is None else fp16_dots, TMA=descs is not None,
+        NEW_KV=new_kv, NEW_TMA=new_descs is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -228,7 +265,10 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None,
-                           causal: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches."""
+                           causal: bool = False, block_table: torch.Tensor | None = None,
+                           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches, and
+    k_new/v_new (optional, beyond flash-attn's signature) this step's K/V packed like q, which sequences with
+    nothing cached read instead."""
     return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table,
-                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_new=k_new, v_new=v_new)

@@ -10,7 +10,8 @@ from nanovllm.utils.context import get_context
 
 def attention_ops(backend: str) -> SimpleNamespace:
     """The three flash-attn-shaped functions of one backend: 'flash_attn', 'triton' or 'torch'; and
-    `fused_rope_store`: whether its store is our Triton one, which the rotary kernel can do in passing."""
+    `fused_rope_store`: whether its store is our Triton one, which the rotary kernel can do in passing;
+    `new_kv_beside_pages`: whether its paged prefill also takes this step's K/V packed (k_new, v_new)."""
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -22,7 +23,8 @@ def attention_ops(backend: str) -> SimpleNamespace:
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
     return SimpleNamespace(store_kvcache=store_kvcache, flash_attn_varlen_func=flash_attn_varlen_func,
-                           flash_attn_with_kvcache=flash_attn_with_kvcache, fused_rope_store=backend != "torch")
+                           flash_attn_with_kvcache=flash_attn_with_kvcache, fused_rope_store=backend != "torch",
+                           new_kv_beside_pages=backend == "triton")
 
 
 class Attention(nn.Module):
@@ -56,7 +58,13 @@ class Attention(nn.Module):
             if cached:
                 ops.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
         if context.is_prefill:
+            new_kv = {}
             if context.block_tables is not None:    # part of a prompt is cached: read K/V through pages
+                if ops.new_kv_beside_pages and k_cache.dtype == k.dtype:
+                    # the batch's prompts with nothing cached read theirs packed, as a batch without a cached
+                    # prefix does (TMA's tiles at any page size; H100, pages smaller than a tile: 4-8% of
+                    # prefill-heavy's prefill)
+                    new_kv = {"k_new": k, "v_new": v}
                 k, v = k_cache, v_cache
             elif k_cache.dtype != k.dtype and k_cache.dtype == torch.float8_e4m3fn:
                 # the fresh K/V hold the fp8 values (the cache write rounded them in place): hand them over
@@ -67,7 +75,7 @@ class Attention(nn.Module):
                                               cu_seqlens_k=context.cu_seqlens_k,
                                               max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
                                               softmax_scale=self.scale, causal=True,
-                                              block_table=context.block_tables)
+                                              block_table=context.block_tables, **new_kv)
         o = ops.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
                                         block_table=context.block_tables, softmax_scale=self.scale, causal=True)
         return o.squeeze(1)

@@ -70,6 +70,36 @@ def test_paged(block_size, block_n, group, use_tma):
     _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, True, table), 1e-5)
 
 
+
+def _rows_of(cache, table, lens_q, lens_k):
+    """This step's K (or V) rows packed like q, read out of the pages (what the engine just stored there)."""
+    rows = []
+    for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        pos = torch.arange(nk - nq, nk, device=cache.device)
+        rows.append(cache[table[i, pos // cache.shape[1]].long(), pos % cache.shape[1]])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("block_size,block_n,use_tma", [(16, 32, None), (32, 16, None), (32, 16, True)])
+def test_paged_with_this_steps_kv_beside(block_size, block_n, use_tma):
+    """A paged batch given this step's K/V packed like q (k_new, v_new): the sequences with nothing cached
+    read those, the others their pages, and the outputs are the reference's. Garbage written into the
+    fresh sequences' pages afterwards changes nothing, so those are not read through the block table."""
+    kv_heads, group, head_dim = 2, 2, 64
+    lens_q, lens_k = [20, 3, 50, 37], [20, 70, 50, 37]          # the second continues a cached prefix
+    q = torch.randn(sum(lens_q), kv_heads * group, head_dim, device=DEVICE)
+    k_cache, v_cache, table = _paged(lens_k, kv_heads, head_dim, block_size, torch.float32, DEVICE)
+    k_new, v_new = _rows_of(k_cache, table, lens_q, lens_k), _rows_of(v_cache, table, lens_q, lens_k)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    ref = _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, True, table)
+    for i in (0, 2, 3):
+        pages = table[i][table[i] >= 0].long()
+        k_cache[pages] = float("nan")
+        v_cache[pages] = 1e4
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table, block_n=block_n,
+                            use_tma=use_tma, k_new=k_new, v_new=v_new)
+    _check(out, ref, 1e-5)
+
 def test_paged_head_dim_128_fp16_non_causal():
     lens_q, lens_k = [20, 9], [20, 41]
     q = torch.randn(sum(lens_q), 4, 128, device=DEVICE).half()
