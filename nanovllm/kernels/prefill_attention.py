@@ -10,9 +10,9 @@ Tiles that no mask touches run in a loop without masks; the tiles on the causal 
 aligned) and the ragged last tile run in a second, masked loop. With a block table, each key tile's
 rows are found through the sequence's row of it, and an fp8 cache's tiles are widened to q's dtype (to
 float16 for bf16 queries: kv_tile.wants_fp16_dots). On Hopper, 16-bit K/V tiles are copied by TMA
-(kv_tile.kv_descriptors); tile sizes follow the batch's key range (mean_keys, SHORT_KEYS). Given this
-step's K/V packed beside the pages (k_new, v_new), a sequence with nothing cached reads those instead: TMA
-copies a packed tile at any page size, where pages smaller than a tile leave the paged reads to pointers.
+(kv_tile.kv_descriptors); tile sizes follow the batch's key range (mean_keys, SHORT_KEYS). Pages smaller
+than a tile leave paged reads to pointers: given this step's K/V packed beside the pages (k_new, v_new), a
+sequence with nothing cached then reads those instead, through TMA.
 """
 import math
 
@@ -195,7 +195,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
     max_seqlen_k given, for the batch's key range: mean_keys).
     use_tma: None reads 16-bit K/V through TMA where it applies (kv_tile.kv_descriptors), False never.
     k_new, v_new: with a block table, this step's K/V packed like q (in the cache's dtype, already stored in
-    it): sequences with nothing cached read them instead of the pages."""
+    it): where the pages cannot be read through TMA, sequences with nothing cached read these instead."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -239,7 +239,9 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
     # one program per (query tile, kv head, sequence); tiles past a shorter sequence's end exit at once
     grid = (triton.cdiv(max_seqlen_q, block_m // group), num_kv_heads, num_seqs)
     descs = kv_descriptors(k, v, paged, block_n, use_tma)
-    new_kv = paged and k_new is not None
+    # only where the pages themselves cannot be read through TMA (pages smaller than a tile): with both
+    # sources' TMA pipelines the kernel would need twice the shared memory (H100, 128 x 128 tiles: 360 KB)
+    new_kv = paged and k_new is not None and descs is None
     if new_kv:
         assert v_new is not None and k_new.shape[0] == total_q and k_new.dtype == k.dtype, "k_new/v_new: packed like q"
         new_descs = kv_descriptors(k_new, v_new, False, block_n, use_tma)

@@ -80,11 +80,13 @@ def _rows_of(cache, table, lens_q, lens_k):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("block_size,block_n,use_tma", [(16, 32, None), (32, 16, None), (32, 16, True)])
-def test_paged_with_this_steps_kv_beside(block_size, block_n, use_tma):
-    """A paged batch given this step's K/V packed like q (k_new, v_new): the sequences with nothing cached
+@pytest.mark.parametrize("use_tma", [False, None], ids=["pointers", "default"])
+def test_paged_with_this_steps_kv_beside(use_tma):
+    """A paged batch whose pages are smaller than a key tile (no TMA for them), given this step's K/V
+    packed like q (k_new, v_new; on a GPU by default read through TMA): the sequences with nothing cached
     read those, the others their pages, and the outputs are the reference's. Garbage written into the
     fresh sequences' pages afterwards changes nothing, so those are not read through the block table."""
+    block_size, block_n = 16, 32
     kv_heads, group, head_dim = 2, 2, 64
     lens_q, lens_k = [20, 3, 50, 37], [20, 70, 50, 37]          # the second continues a cached prefix
     q = torch.randn(sum(lens_q), kv_heads * group, head_dim, device=DEVICE)
@@ -99,6 +101,20 @@ def test_paged_with_this_steps_kv_beside(block_size, block_n, use_tma):
     out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table, block_n=block_n,
                             use_tma=use_tma, k_new=k_new, v_new=v_new)
     _check(out, ref, 1e-5)
+
+
+def test_pages_tma_reads_ignore_this_steps_kv():
+    """Where the pages can be read through TMA (pages as large as a tile), k_new/v_new go unread: one
+    source's pipeline, half the shared memory two would take."""
+    kv_heads, head_dim = 2, 64
+    lens_q, lens_k = [20, 3], [20, 70]
+    q = torch.randn(sum(lens_q), kv_heads * 2, head_dim, device=DEVICE)
+    k_cache, v_cache, table = _paged(lens_k, kv_heads, head_dim, 32, torch.float32, DEVICE)
+    cu_q, cu_k = _cu(lens_q, DEVICE), _cu(lens_k, DEVICE)
+    garbage = torch.full((sum(lens_q), kv_heads, head_dim), float("nan"), device=DEVICE)
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table, block_n=16,
+                            use_tma=True, k_new=garbage, v_new=garbage)
+    _check(out, _ref(q, k_cache, v_cache, cu_q, cu_k, lens_q, lens_k, True, table), 1e-5)
 
 def test_paged_head_dim_128_fp16_non_causal():
     lens_q, lens_k = [20, 9], [20, 41]
