@@ -271,6 +271,6 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen attention. Without block_table k/v are packed [Nk, Hkv, D]; with it they are paged caches, and
     k_new/v_new (optional, beyond flash-attn's signature) this step's K/V packed like q, which sequences with
-    nothing cached read instead."""
+    nothing cached read instead where the pages cannot be read through TMA (prefill_attention)."""
     return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, block_table,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_new=k_new, v_new=v_new)
