@@ -78,12 +78,13 @@ class LLMEngine:
     def __exit__(self, *exc):
         self.exit()
 
-    def _call(self, method_name: str, *args):
+    def _call(self, method_name: str, *args, rank0_only=None):
         """Call `method_name(*args)` on every rank's ModelRunner (the workers first: rank 0 waits for
-        them in its collectives) and return rank 0's result."""
+        them in its collectives) and return rank 0's result. rank0_only: one more argument, for rank 0
+        alone (the workers get None): structured outputs' masks."""
         self._cut_short = bool(self.workers.processes)
-        self.workers.send(method_name, args)
-        result = getattr(self.model_runner, method_name)(*args)
+        self.workers.send(method_name, args + (None,) if rank0_only is not None else args)
+        result = getattr(self.model_runner, method_name)(*args, *(() if rank0_only is None else (rank0_only,)))
         self._cut_short = False
         return result
 
@@ -94,9 +95,6 @@ class LLMEngine:
         return self._new_sequence(token_ids, sampling_params)
 
     def _new_sequence(self, token_ids: list[int], sampling_params: SamplingParams) -> Sequence:
-        if self.spec_decode is not None and sampling_params.structured_outputs is not None:
-            raise ValueError("structured_outputs cannot be combined with speculative decoding yet: this engine "
-                             "was built with a speculative_config")
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
         if sampling_params.structured_outputs is not None:     # its grammar compiled (once per distinct text)
             seq.grammar = self.structured_outputs.new_state(sampling_params.structured_outputs, token_ids)
@@ -203,10 +201,14 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         drafts = None if is_prefill else self.spec_decode.propose(seqs)
+        constrained = any(seq.grammar is not None for seq in seqs)
         if drafts is None or not any(drafts):
-            launched, num_tokens = self._launch(seqs, is_prefill)
+            launched, num_tokens = self._launch(seqs, is_prefill, constrained)
+            if constrained:
+                launched = (launched[0], self._sample_deferred(seqs), launched[2])
             return self._collect(launched), num_tokens
-        sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids)
+        token_bitmask = self.structured_outputs.verify_bitmask(seqs, drafts) if constrained else None
+        sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids, rank0_only=token_bitmask)
         self._ended_seq_ids = []
         token_ids, num_accepted, logprobs = sampled.tolist(), accepted.tolist(), sampled.logprobs()
         self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
@@ -217,12 +219,7 @@ class LLMEngine:
 
     def _sample_deferred(self, seqs: list[Sequence]):
         """Sample the launched step with its structured outputs' masks (rank 0 alone needs them)."""
-        token_bitmask = self.structured_outputs.bitmask(seqs)
-        self._cut_short = bool(self.workers.processes)
-        self.workers.send("sample_deferred", (None,))
-        sampled = self.model_runner.sample_deferred(token_bitmask)
-        self._cut_short = False
-        return sampled
+        return self._call("sample_deferred", rank0_only=self.structured_outputs.bitmask(seqs))
 
     def _collect(self, previous) -> list[Sequence]:
         """The tokens of the step launched before: log-probs, finishes, and the updates they make."""

@@ -221,7 +221,8 @@ class ModelRunner:
         return drafts if self.rank == 0 else None
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]], finished_seq_ids: list[int] = ()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], finished_seq_ids: list[int] = (),
+               token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[SampledTokens, torch.Tensor] | None:
         """Speculative decoding's target step: each seq computes its last token and its drafts, one decode row
         each (step_inputs.prepare_verify; replayed in the decode graph of the rows' bucket where one holds
@@ -229,7 +230,8 @@ class ModelRunner:
         (sampling_inputs.build_verify_tensors), and the rejection sampler counts the drafts accepted
         (layers/rejection_sampler.py). Rank 0 gets (SampledTokens of every row, num_accepted [seqs] on the
         device): seq i gains the tokens of its rows 0..num_accepted[i]. Nothing is left pending: the
-        engine collects this step before it schedules the next."""
+        engine collects this step before it schedules the next. token_bitmask: as sample_deferred's, over the
+        verification's rows (StructuredOutputs.verify_bitmask)."""
         input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device)
         logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
         context = get_context()
@@ -240,6 +242,8 @@ class ModelRunner:
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
                 self.device)
             rows = DraftRows.from_drafts(drafts, self.device)
+            if token_bitmask is not None:
+                tensors.token_bitmask = tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
         self.sampled, self.sampled_rows = self.sampled[:0], {}
         output = accepted = None
         if self.rank == 0:

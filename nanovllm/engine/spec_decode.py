@@ -140,6 +140,8 @@ class SpeculativeDecoding:
             gained = token_ids[first:first + accepted + 1]
             for count, token_id in enumerate(gained, 1):
                 seq.append_token(token_id)
+                if seq.grammar is not None:
+                    seq.grammar.accept(token_id)
                 if self.scheduler.stops_on(seq, token_id):
                     stop_token = token_id
                     break

@@ -11,7 +11,9 @@ ValueError before anything runs), compiled against the tokenizer once per distin
 StructuredOutputs keeps them), and each of its sequences gets a GrammarState. The engine launches a step
 that holds constrained sequences without its sampling; while the device runs that step's forward pass, it
 collects the previous step's tokens (the scheduler feeds them to each state) and fills this step's
-bitmask rows here, then launches the sampling with the mask (kernels/token_bitmask applies it).
+bitmask rows here, then launches the sampling with the mask (kernels/token_bitmask applies it). With
+speculative decoding, a verification's rows are masked as if the drafts before each were accepted (the
+matcher advanced over them, then rolled back): the target never accepts a draft its grammar forbids.
 
 With a reasoning parser (Config.reasoning_parser) a state waits for the end of the model's thinking (the
 end marker in the output, or already in the prompt) before it constrains anything.
@@ -140,6 +142,33 @@ class GrammarState:
             logger.warning("token %d breaks its structured output's grammar (min_tokens longer than the "
                            "grammar?); the rest of this completion is unconstrained", token_id)
 
+    def fill_draft_rows(self, draft: list[int], bitmask: torch.Tensor, first: int) -> list[int]:
+        """Speculative decoding's masks: row j of a verification (j = 0..len(draft)) samples as if draft[:j]
+        were already accepted. Fills bitmask rows first, first + 1, ... for the rows the grammar constrains and
+        returns their j. Rows it leaves free: while the model thinks (the reasoning gate), once the grammar
+        has ended, and after a draft token the grammar forbids (the target, masked, never accepts that token,
+        so no row after it can be emitted). The state itself is left as it was (the matcher rolled back)."""
+        rows: list[int] = []
+        gate = self.reasoning.fork() if self.reasoning is not None and not self.reasoning.ended else None
+        taken = 0
+        try:
+            for j in range(len(draft) + 1):
+                if self.broken or self.matcher.is_terminated():
+                    break
+                if gate is not None and not gate.ended:      # still thinking: the row is free
+                    if j < len(draft):
+                        gate.feed(draft[j])
+                    continue
+                self.matcher.fill_next_token_bitmask(bitmask, first + len(rows))
+                rows.append(j)
+                if j == len(draft) or not self.matcher.accept_token(draft[j]):
+                    break
+                taken += 1
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+        return rows
+
     def fork(self) -> "GrammarState":
         """The same state for a new completion that continues from here on its own."""
         reasoning = None if self.reasoning is None else self.reasoning.fork()
@@ -232,12 +261,7 @@ class StructuredOutputs:
                 if seq.grammar is not None and not seq.is_finished and seq.grammar.active]
         if not rows:
             return None
-        if self._host_bitmask is None or self._host_bitmask.size(0) < len(rows):
-            # kept across steps (pinned on a GPU): the last step's copy to the device is done by now, since
-            # the host has waited for that step's tokens, which the device sampled after the copy
-            size = max(len(rows), 64 if self._host_bitmask is None else 2 * self._host_bitmask.size(0))
-            self._host_bitmask = torch.empty((size, self.num_words), dtype=torch.int32, pin_memory=self.pin_memory)
-        bitmask = self._host_bitmask[:len(rows)]
+        bitmask = self._host_rows(len(rows))
         matchers = [seqs[i].grammar.matcher for i in rows]
         if len(rows) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, 0)
@@ -246,3 +270,26 @@ class StructuredOutputs:
                 self._batch = _xgrammar().BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask, torch.tensor(rows, dtype=torch.int32)
+
+    def verify_bitmask(self, seqs: list[Sequence], drafts: list[list[int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """bitmask()'s for a verification step, whose rows are each sequence's len(drafts[i]) + 1 positions
+        (GrammarState.fill_draft_rows); None if no row is constrained."""
+        most = sum(len(draft) + 1 for seq, draft in zip(seqs, drafts) if seq.grammar is not None)
+        if not most:
+            return None
+        bitmask, rows, first = self._host_rows(most), [], 0
+        for seq, draft in zip(seqs, drafts):
+            if seq.grammar is not None and not seq.is_finished:
+                rows += [first + j for j in seq.grammar.fill_draft_rows(draft, bitmask, len(rows))]
+            first += len(draft) + 1
+        return (bitmask[:len(rows)], torch.tensor(rows, dtype=torch.int32)) if rows else None
+
+    def _host_rows(self, num_rows: int) -> torch.Tensor:
+        """num_rows bitmask rows on the host, kept across steps (pinned on a GPU): the last step's copy to
+        the device is done by now, since the host has waited for that step's tokens, which the device
+        sampled after the copy."""
+        if self._host_bitmask is None or self._host_bitmask.size(0) < num_rows:
+            size = max(num_rows, 64 if self._host_bitmask is None else 2 * self._host_bitmask.size(0))
+            self._host_bitmask = torch.empty((size, self.num_words), dtype=torch.int32, pin_memory=self.pin_memory)
+        return self._host_bitmask[:num_rows]

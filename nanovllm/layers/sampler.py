@@ -137,6 +137,9 @@ class Sampler(nn.Module):
             return output
         if tensors.logits_rows is not None:
             logits = logits[tensors.logits_rows]
+        if tensors.token_bitmask is not None:       # as forward()'s: of the masked logits
+            logits = logits.clone()
+            self._mask(logits, tensors, self._on_kernels(logits))
         output.top_token_ids, output.top_logprobs, log_z = self._top_logprobs(logits, tensors.temperatures,
                                                                               tensors.max_logprobs)
         output.logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).float() - log_z

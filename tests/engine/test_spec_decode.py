@@ -5,8 +5,8 @@ layers/rejection_sampler.py), through preemption, chunked prefill, prefix-cache 
 max_tokens that end a completion inside an accepted run, penalties, min_tokens and log-probs; drafts are
 proposed and accepted where a sequence repeats itself, and rejected elsewhere; the KV cache stays
 consistent step by step, and a block computed under speculation serves a later prompt from the prefix
-cache; at a drafted position the tokens follow plain decoding's exact law. Structured outputs are refused
-(for now). The proposer and the configuration: test_spec_decode_ngram.py."""
+cache; at a drafted position the tokens follow plain decoding's exact law. The proposer and the
+configuration: test_spec_decode_ngram.py; with structured outputs: test_structured_output.py."""
 import numpy as np
 import pytest
 
@@ -284,17 +284,6 @@ def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, law_prom
         sum(first[t1] for t1, (draft, _) in following.items() if draft))
     assert abs(sum(accepted) / len(accepted) - rate) < 4 * (rate * (1 - rate) / len(accepted)) ** 0.5
     assert chi_square_p_value([t2 for _, t2 in drafted], law) > 1e-3
-
-
-# ---- refusals -------------------------------------------------------------------------------------------
-def test_structured_outputs_are_refused_with_speculation(spec3):
-    from nanovllm import StructuredOutputsParams
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-    with pytest.raises(ValueError, match="speculative"):
-        spec3.generate([[1, 2, 3]], params, use_tqdm=False)
-    with pytest.raises(ValueError, match="speculative"):
-        spec3.add_checked_request([1, 2, 3], params)
-    assert_idle(spec3)
 
 
 # ---- the adaptive policy: speculation where it measures faster ----------------------------------------------

@@ -12,7 +12,7 @@ speculates. Sampled requests: the draft draws d ~ q (its softmax at the request'
 keeps it with probability min(1, p(d) / q(d)) and else draws from max(p - q, 0) renormalized: other tokens
 than plain decoding draws, but its law (Pearson's chi-square against transformers' probabilities at the
 first drafted position, accepted at the rate sum min(p, q) gives), and a seeded request draws the same
-tokens again. Bad configurations are refused by name, and structured outputs (for now). The n-gram method:
+tokens again. Bad configurations are refused by name. The n-gram method:
 test_spec_decode.py, whose layout this file follows."""
 import pytest
 import torch
@@ -248,13 +248,3 @@ def test_a_bad_draft_model_config_is_refused_by_name(tiny_model, make_checkpoint
     }[case]
     with pytest.raises(ValueError, match=words):
         engine(tiny_model, spec).exit()
-
-
-def test_structured_outputs_are_refused_with_speculation(self3):
-    from nanovllm import StructuredOutputsParams
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-    with pytest.raises(ValueError, match="speculative"):
-        self3.generate([[1, 2, 3]], params, use_tqdm=False)
-    with pytest.raises(ValueError, match="speculative"):
-        self3.add_checked_request([1, 2, 3], params)
-    assert_idle(self3)

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.utils.gguf_checkpoint import default_model
@@ -217,3 +218,83 @@ def test_a_reasoning_parser_leaves_the_thinking_free_and_constrains_the_answer(l
     for token_id in encode("yes") + [llm.tokenizer.eos_token_id]:
         thinking.accept(token_id)
     assert thinking.matcher.is_terminated() and not thinking.broken
+
+
+# ---- with speculative decoding -------------------------------------------------------------------------------
+RECORD = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                           "tags": {"type": "array", "items": {"enum": ["ab", "cd"]},
+                                                    "maxItems": 6}},
+          "required": ["id", "tags"]}
+
+
+def test_a_verifications_masks_are_the_grammars_after_each_draft_and_leave_the_state_as_it_was(llm):
+    """Row j of a verification is masked as the grammar stands after draft[:j]; a draft token the grammar
+    forbids ends the masked rows there (no later row can be emitted); while the model thinks the rows
+    are free; and the state is left as it was (the matcher rolled back)."""
+    from nanovllm.engine.structured_output import StructuredOutputs
+    outputs = StructuredOutputs(llm.tokenizer, llm.vocab_size, llm.config.eos_token_ids, ("<think>", "</think>"))
+    params = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)
+    encode = llm.tokenizer.encode
+    words = outputs.num_words
+
+    def masks_fed(prefix_tokens: list[int], state_of) -> torch.Tensor:
+        state = state_of()
+        for token_id in prefix_tokens:
+            state.accept(token_id)
+        row = torch.zeros(1, words, dtype=torch.int32)
+        state.matcher.fill_next_token_bitmask(row, 0)
+        return row[0]
+
+    answer = encode('{"id": 12, "tags": ["ab"')     # json.dumps' separators, as the grammar writes them
+    bad = encode("?")                   # no JSON value goes on with it
+    state = outputs.new_state(params, encode("Question?<think>\n\n</think>\n\n"))
+    before = masks_fed([], lambda: state)
+    bitmask = torch.zeros(len(answer) + 3, words, dtype=torch.int32)
+    draft = answer + bad + encode("]}")
+    rows = state.fill_draft_rows(draft, bitmask, 1)
+    assert rows == list(range(len(answer) + 1))     # the rows up to the forbidden token's, none after it
+    fresh = lambda: outputs.new_state(params, encode("Question?<think>\n\n</think>\n\n"))    # noqa: E731
+    for n, j in enumerate(rows):
+        assert torch.equal(bitmask[1 + n], masks_fed(draft[:j], fresh))
+    assert torch.equal(masks_fed([], lambda: state), before)     # rolled back: the same next mask
+    for token_id in answer:     # and the same path still open
+        assert state.matcher.accept_token(token_id)
+
+    thinking = outputs.new_state(params, encode("Question?<think>\n"))
+    thought = encode("Hmm. </think>")
+    draft = thought + encode('{"id"')
+    rows = thinking.fill_draft_rows(draft, bitmask, 0)
+    assert rows == list(range(len(thought), len(draft) + 1))    # free until the thinking ends
+    assert not thinking.active and not thinking.reasoning.ended    # its gate untouched
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_a_schema_gives_plain_decodings_tokens(tiny_model, method):
+    """With n-gram drafts or a draft model (the target itself), greedy and seeded requests under a JSON
+    schema (n = 2, beside an unconstrained one) give the tokens of the engine without speculation, drafts
+    are accepted, and every completion that ends meets the schema."""
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 3, "adaptive": False},
+            "draft_model": {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3,
+                            "adaptive": False}}[method]
+    constraint = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16) as plain:
+        text = '{"id": 31, "tags": ["ab", "cd", "ab"]} ' * 6     # a prompt the lookup finds the record in
+        prompts = [plain.tokenizer.encode(text)] * 3 + [plain.tokenizer.encode("free text " * 8)]
+        params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint),
+                  sampled(constraint, seed=11, max_tokens=40, n=2),
+                  sampled(constraint, seed=12, max_tokens=40, presence_penalty=0.5, logprobs=2),
+                  SamplingParams(temperature=1.0, seed=13, max_tokens=30)]
+        if method == "draft_model":     # a sampled draft's law is not plain decoding's draws: greedy only
+            params = [params[0], params[0], params[0], SamplingParams(temperature=0.0, max_tokens=30)]
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, speculative_config=spec) as fast:
+        outputs = fast.generate(prompts, params, use_tqdm=False)
+        assert fast.stats["spec_decode_accepted_tokens"] > 0
+        assert fast.is_finished() and not fast.scheduler.block_manager.used_block_ids
+    assert [[c["token_ids"] for c in o["outputs"]] for o in outputs] == \
+        [[c["token_ids"] for c in o["outputs"]] for o in expected]
+    for output in outputs[:3]:
+        for completion in output["outputs"]:
+            if completion["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(completion["text"]), RECORD)
