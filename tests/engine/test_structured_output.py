@@ -229,8 +229,8 @@ RECORD = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 
 def test_a_verifications_masks_are_the_grammars_after_each_draft_and_leave_the_state_as_it_was(llm):
     """Row j of a verification is masked as the grammar stands after draft[:j]; a draft token the grammar
-    forbids ends the masked rows there (no later row can be emitted); while the model thinks the rows
-    are free; and the state is left as it was (the matcher rolled back)."""
+    forbids ends the masked rows there (no later row can be emitted); while the model thinks, and after
+    the grammar's stop token, the rows are free; and the state is left as it was (the matcher rolled back)."""
     from nanovllm.engine.structured_output import StructuredOutputs
     outputs = StructuredOutputs(llm.tokenizer, llm.vocab_size, llm.config.eos_token_ids, ("<think>", "</think>"))
     params = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)
@@ -259,6 +259,12 @@ def test_a_verifications_masks_are_the_grammars_after_each_draft_and_leave_the_s
     assert torch.equal(masks_fed([], lambda: state), before)     # rolled back: the same next mask
     for token_id in answer:     # and the same path still open
         assert state.matcher.accept_token(token_id)
+
+    ended = outputs.new_state(StructuredOutputsParams(choice=["yes"]), encode("Question?<think>\n\n</think>\n\n"))
+    draft = encode("yes") + [llm.tokenizer.eos_token_id] + encode("more")
+    rows = ended.fill_draft_rows(draft, bitmask, 0)
+    assert rows == list(range(len(draft) - len(encode("more"))))    # free once the grammar has ended
+    assert ended.active and not ended.matcher.is_terminated()       # its stop token rolled back too
 
     thinking = outputs.new_state(params, encode("Question?<think>\n"))
     thought = encode("Hmm. </think>")
