@@ -14,7 +14,7 @@ from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.transfer import to_device
+from nanovllm.utils.transfer import arrays_to_device, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -65,13 +65,14 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
         floats[1, :n] = column(lambda p: 1.0 if p.greedy else p.top_p)
         floats[2, :n] = column(lambda p: 0.0 if p.greedy else p.min_p)
         ints[0] = column(lambda p: 0 if p.greedy else min(p.top_k, vocab_size))
-    host = [floats, keys, ints]
+    host = [floats, keys] + ([ints] if filtered else [])
     if logits_rows is not None:
         host.append(np.array(logits_rows, dtype=np.int64))
-    # one pinned copy each, queued behind the step
-    floats, keys, ints, *rest = (to_device(a, device) for a in host)
+    # one pinned copy for them all, queued behind the step
+    floats, keys, *rest = arrays_to_device(host, device)
     tensors = SamplingTensors(temperatures=floats[0, :n], keys=keys)
     if filtered:
+        ints, *rest = rest
         tensors.top_p, tensors.min_p, tensors.top_k = floats[1, :n], floats[2, :n], ints[0]
         def searched(p: SamplingParams) -> bool:     # a row the exact search may have to settle
             return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
