@@ -1,6 +1,9 @@
 """Speculative decoding under tensor parallelism on CPU (two gloo ranks, rank 1 spawned): every rank runs
 the verification's forward pass (ModelRunner.verify gets the drafts with the call), rank 0 samples and
-accepts, and the tokens are the one-rank engine's without speculation, greedy and seeded with penalties."""
+accepts, and the tokens are the one-rank engine's without speculation, greedy and seeded with penalties, and
+under a grammar (the masks go to rank 0 alone)."""
+import re
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
@@ -29,6 +32,27 @@ def test_tp2_with_drafts_gives_the_tokens_of_one_rank_without(make_checkpoint):
         assert two.stats["spec_decode_accepted_tokens"] > 0
     assert [o["outputs"] for o in outputs] == [o["outputs"] for o in expected]
 
+
+
+def test_tp2_with_drafts_under_a_grammar_gives_the_tokens_of_one_rank_without(make_checkpoint):
+    """Structured outputs' masks reach rank 0's verification alone (the workers run the forward pass): the
+    constrained tokens, greedy and seeded, are the one-rank engine's without speculation."""
+    pytest.importorskip("xgrammar")
+    from nanovllm import StructuredOutputsParams
+    model = str(make_checkpoint(**SHAPE))
+    settings = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
+    constraint = StructuredOutputsParams(regex="(ab|cd)+ [0-9]{1,3}")
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=constraint),
+              SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=24, structured_outputs=constraint)]
+    with LLM(model, **settings) as one:
+        prompts = [one.tokenizer.encode("abcdabab 12 cdab 7 ") * 3] + PROMPTS[:2]
+        expected = one.generate([p for p in prompts for _ in params], params * len(prompts), use_tqdm=False)
+    with LLM(model, tensor_parallel_size=2, speculative_config=NGRAM, **settings) as two:
+        outputs = two.generate([p for p in prompts for _ in params], params * len(prompts), use_tqdm=False)
+        assert two.stats["spec_decode_accepted_tokens"] > 0
+    assert [o["outputs"] for o in outputs] == [o["outputs"] for o in expected]
+    ended = [c["text"] for o in outputs for c in o["outputs"] if c["finish_reason"] == "stop"]
+    assert ended and all(re.fullmatch("(ab|cd)+ [0-9]{1,3}", text) for text in ended)
 
 def assert_tp2_drafts_as_one_rank(model: str, spec: dict) -> None:
     """Two ranks with a drafter give the one-rank engine's outputs with the same drafter (greedy and seeded
