@@ -82,9 +82,10 @@ class LLMEngine:
         """Call `method_name(*args)` on every rank's ModelRunner (the workers first: rank 0 waits for
         them in its collectives) and return rank 0's result. rank0_only: one more argument, for rank 0
         alone (the workers get None): structured outputs' masks."""
+        extra = () if rank0_only is None else (rank0_only,)
         self._cut_short = bool(self.workers.processes)
-        self.workers.send(method_name, args + (None,) if rank0_only is not None else args)
-        result = getattr(self.model_runner, method_name)(*args, *(() if rank0_only is None else (rank0_only,)))
+        self.workers.send(method_name, args + (None,) * len(extra))
+        result = getattr(self.model_runner, method_name)(*args, *extra)
         self._cut_short = False
         return result
 

@@ -209,8 +209,12 @@ class ModelRunner:
         bitmask pinned on a GPU): structured outputs' (bitmask, rows), see SamplingTensors."""
         step, self._deferred = self._deferred, None
         if self.rank == 0 and token_bitmask is not None:
-            step[2].token_bitmask = tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
+            step[2].token_bitmask = self._on_device(token_bitmask)
         return self._sample(*step)
+
+    def _on_device(self, token_bitmask: tuple[torch.Tensor, torch.Tensor] | None):
+        """Structured outputs' (bitmask, rows) from the host (pinned on a GPU), queued behind the step."""
+        return None if token_bitmask is None else tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
 
     def propose_drafts(self, seqs: list[Sequence], lengths: list[int], first_tokens: list[list[int]]
                        ) -> list[list[int]] | None:
@@ -242,8 +246,7 @@ class ModelRunner:
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
                 self.device)
             rows = DraftRows.from_drafts(drafts, self.device)
-            if token_bitmask is not None:
-                tensors.token_bitmask = tuple(t.to(self.device, non_blocking=True) for t in token_bitmask)
+            tensors.token_bitmask = self._on_device(token_bitmask)
         self.sampled, self.sampled_rows = self.sampled[:0], {}
         output = accepted = None
         if self.rank == 0:

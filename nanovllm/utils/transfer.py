@@ -30,7 +30,7 @@ def arrays_to_device(arrays: list[np.ndarray], device: torch.device) -> list[tor
     for array in arrays:
         starts.append(total)
         total += -(-array.nbytes // 16) * 16
-    buffer = np.zeros(max(total, 16), dtype=np.uint8)
+    buffer = np.empty(max(total, 16), dtype=np.uint8)     # the padding between arrays is never read
     for array, start in zip(arrays, starts):
         buffer[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     flat = to_device(buffer, device)
