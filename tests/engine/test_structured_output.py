@@ -304,3 +304,38 @@ def test_speculation_under_a_schema_gives_plain_decodings_tokens(tiny_model, met
         for completion in output["outputs"]:
             if completion["finish_reason"] == "stop":
                 jsonschema.validate(json.loads(completion["text"]), RECORD)
+
+
+def test_what_users_mix_under_speculation_and_a_tight_cache_ends_as_without(tiny_model):
+    """Speculation with a KV cache too small for the batch (preemption, recomputation, chunked prompts):
+    seeded n = 2 constrained completions that end at different steps, a greedy constrained request cut by a
+    stop string, an unconstrained one, and a constrained request aborted mid-run; every request ends as in a
+    roomy engine without speculation, and afterwards no block is held."""
+    constraint = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16) as roomy:
+        # a record for the lookup to copy; each prompt its own first block, so no prefix is shared and the
+        # ten blocks below really run short
+        record = '{"id": 31, "tags": ["ab", "cd", "ab"]} '
+        prompts = [roomy.tokenizer.encode(f"q{i} " + record) + [(7 * i + j) % 500 + 1 for j in range(9 * i)]
+                   for i in range(4)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+        middle = roomy.generate(prompts[:1], greedy, use_tqdm=False)[0]["text"][12:14]    # ends it mid-record
+        params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint, stop=[middle])] + [
+            sampled(constraint, seed=20 + i, max_tokens=16 + 12 * i, n=2) for i in range(2)] + [
+            SamplingParams(temperature=1.0, seed=5, max_tokens=30)]
+        expected = roomy.generate(prompts, params, use_tqdm=False)
+    assert expected[0]["finish_reason"] == "stop"
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, num_kvcache_blocks=10, max_num_batched_tokens=64,
+             max_model_len=256, speculative_config=spec) as tight:
+        aborted = tight.add_request(prompts[3], sampled(constraint, seed=1, max_tokens=60))
+        for _ in range(4):
+            tight.step()
+        tight.abort_request(aborted)
+        outputs = tight.generate(prompts, params, use_tqdm=False)
+        assert tight.stats["num_preemptions"] > 0 and tight.stats["spec_decode_accepted_tokens"] > 0
+        assert tight.is_finished() and not tight.scheduler.block_manager.used_block_ids
+    assert [[(c["token_ids"], c["finish_reason"]) for c in o["outputs"]] for o in outputs] == \
+        [[(c["token_ids"], c["finish_reason"]) for c in o["outputs"]] for o in expected]
+    assert len({len(c["token_ids"]) for o in outputs[1:3] for c in o["outputs"]}) > 1     # ended at different steps
