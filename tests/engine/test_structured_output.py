@@ -225,6 +225,8 @@ RECORD = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
                                            "tags": {"type": "array", "items": {"enum": ["ab", "cd"]},
                                                     "maxItems": 6}},
           "required": ["id", "tags"]}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}     # speculation on every decode step
 
 
 def test_a_verifications_masks_are_the_grammars_after_each_draft_and_leave_the_state_as_it_was(llm):
@@ -279,8 +281,7 @@ def test_speculation_under_a_schema_gives_plain_decodings_tokens(tiny_model, met
     """With n-gram drafts or a draft model (the target itself), greedy and seeded requests under a JSON
     schema (n = 2, beside an unconstrained one) give the tokens of the engine without speculation, drafts
     are accepted, and every completion that ends meets the schema."""
-    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                      "prompt_lookup_max": 3, "adaptive": False},
+    spec = {"ngram": NGRAM,
             "draft_model": {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3,
                             "adaptive": False}}[method]
     constraint = StructuredOutputsParams(json=RECORD, disable_any_whitespace=True)
@@ -325,10 +326,8 @@ def test_what_users_mix_under_speculation_and_a_tight_cache_ends_as_without(tiny
             SamplingParams(temperature=1.0, seed=5, max_tokens=30)]
         expected = roomy.generate(prompts, params, use_tqdm=False)
     assert expected[0]["finish_reason"] == "stop"
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-            "adaptive": False}
     with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, num_kvcache_blocks=10, max_num_batched_tokens=64,
-             max_model_len=256, speculative_config=spec) as tight:
+             max_model_len=256, speculative_config=NGRAM) as tight:
         aborted = tight.add_request(prompts[3], sampled(constraint, seed=1, max_tokens=60))
         for _ in range(4):
             tight.step()
