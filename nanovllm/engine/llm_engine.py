@@ -28,7 +28,7 @@ class LLMEngine:
         self._exited = True
         self._cut_short = False     # a call to the ranks broke off midway: they may be out of step
         self._in_flight = None      # (sequences awaiting each row, SampledTokens) of the step launched last
-        self._pipelined = self._drained = False     # speculative decoding: the last step's mode, a drain just done
+        self._drained = False     # speculative decoding: the last step collected the one in flight, to speculate
         self._ended_seq_ids: list[int] = []     # told to the runner with the next step (frees sampling state)
         self.updates: list[CompletionUpdate] = []     # what the last step's collected tokens told each completion
         config = Config(model, **kwargs)
@@ -150,19 +150,23 @@ class LLMEngine:
     def _step_and_collect(self) -> tuple[list[Sequence], int]:
         if self.spec_decode is None:
             return self._pipelined_step()
-        speculate = self._drained or self.spec_decode.policy.speculate(len(self.scheduler.running))
+        running = self.scheduler.running
+        speculate = self._drained or self.spec_decode.policy.speculate(len(running))
         self._drained = False
-        if speculate and self._in_flight is not None:      # drafts need every token so far: collect first
+        if speculate and self._in_flight is not None and self.spec_decode.may_propose(running):
+            # drafts follow every token so far: collect the step in flight first
             previous, self._in_flight = self._in_flight, None
             self.updates = []
             self._drained = True        # the next step speculates, as decided here
             return self._collect(previous), 0
-        was_pipelined, self._pipelined = self._pipelined, not speculate
+        had_in_flight = self._in_flight is not None
         accepted_before = self.spec_decode.num_accepted_tokens
         start = perf_counter()
-        finished, num_tokens = self._step_in_lockstep() if speculate else self._pipelined_step()
-        # a decode step's tokens a second, for the policy (a pipelined step that collected nothing is not one)
-        if num_tokens < 0 and (speculate or was_pipelined):
+        # with a step in flight and nothing to draft from, the next is launched beside it, as plain decoding does
+        finished, num_tokens = self._step_in_lockstep() if speculate and not had_in_flight \
+            else self._pipelined_step()
+        # a decode step's tokens a second, for the policy: a step that collected nothing is not one
+        if num_tokens < 0 and (had_in_flight or self._in_flight is None):
             emitted = -num_tokens + self.spec_decode.num_accepted_tokens - accepted_before
             self.spec_decode.policy.record(-num_tokens, speculate, emitted, perf_counter() - start)
         return finished, num_tokens
@@ -194,9 +198,9 @@ class LLMEngine:
         return finished, num_tokens
 
     def _step_in_lockstep(self) -> tuple[list[Sequence], int]:
-        """Speculative decoding: each step is collected before the next is scheduled (a step's drafts come
-        from every token so far, and how many are accepted decides where the next one writes). A decode
-        step whose sequences carry drafts verifies them (spec_decode.py); any other step runs as usual."""
+        """Speculative decoding with nothing in flight: a decode step whose sequences carry drafts verifies
+        them and is collected at once (how many are accepted decides where the next one writes;
+        spec_decode.py); any other step is launched as usual and left in flight."""
         seqs, is_prefill = self.scheduler.schedule()
         self.updates = []
         if not seqs:
@@ -204,10 +208,13 @@ class LLMEngine:
         drafts = None if is_prefill else self.spec_decode.propose(seqs)
         constrained = any(seq.grammar is not None for seq in seqs)
         if drafts is None or not any(drafts):
+            # nothing to verify: left in flight, so that the next step may be launched beside it (or collects
+            # it first, where drafts may follow)
             launched, num_tokens = self._launch(seqs, is_prefill, constrained)
             if constrained:
                 launched = (launched[0], self._sample_deferred(seqs), launched[2])
-            return self._collect(launched), num_tokens
+            self._in_flight = launched
+            return [], num_tokens
         token_bitmask = self.structured_outputs.verify_bitmask(seqs, drafts) if constrained else None
         sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids, rank0_only=token_bitmask)
         self._ended_seq_ids = []

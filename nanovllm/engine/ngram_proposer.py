@@ -64,21 +64,29 @@ class NgramProposer:
         self._tokens: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
 
     def _array(self, seq: Sequence) -> np.ndarray:
-        """seq's tokens as an int64 array, appending only what is new since its last call."""
-        assert not seq.num_pending_tokens, "drafts are proposed from known tokens only"
+        """seq's known tokens (a step in flight leaves placeholders at its end) as an int64 array, appending
+        only what is new since its last call."""
+        num_known = seq.num_tokens - seq.num_pending_tokens
         held = self._tokens.get(seq)
-        known = 0 if held is None else len(held)
-        if held is None or seq.num_tokens < known:
-            held = np.array(seq.token_ids, dtype=np.int64)
-        elif seq.num_tokens > known:
-            held = np.concatenate([held, np.array(seq.token_ids[known:], dtype=np.int64)])
+        had = 0 if held is None else len(held)
+        if held is None or num_known < had:
+            held = np.array(seq.token_ids[:num_known], dtype=np.int64)
+        elif num_known > had:
+            held = np.concatenate([held, np.array(seq.token_ids[had:num_known], dtype=np.int64)])
         self._tokens[seq] = held
         return held
+
+    def may_propose(self, seqs: list[Sequence]) -> bool:
+        """Whether any sequence's known tokens end in a match. With a step in flight, this is one token
+        stale: the engine asks it to decide whether collecting that step first (so that drafts can follow
+        every token) may pay, or whether the next step may as well be launched beside it, without drafts."""
+        return any(len(ngram_draft(self._array(seq), 1, self.min_n, self.max_n)) for seq in seqs)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         """Per sequence, at most min(k, max_drafts[i]) draft tokens (none where max_drafts[i] <= 0)."""
         drafts = []
         for seq, most in zip(seqs, max_drafts):
+            assert not seq.num_pending_tokens, "drafts follow a sequence's last token: it must be known"
             k = min(self.k, most)
             drafts.append(ngram_draft(self._array(seq), k, self.min_n, self.max_n).tolist() if k > 0 else [])
         return drafts

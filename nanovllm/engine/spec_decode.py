@@ -15,9 +15,11 @@
    past the sequence's tokens go back (release_lookahead), and a rejected draft's slot in a kept block
    is overwritten when the token really there is computed, next step.
 
-The step is collected before the next one is scheduled (the accepted counts decide where the next step
-writes, and the next drafts come from the tokens just accepted), so a speculating engine runs its steps in
-lockstep, without the one-step pipelining of plain decoding. Whether it speculates is SpeculationPolicy's
+A verification is collected before the next step is scheduled (the accepted counts decide where the next
+step writes, and the next drafts come from the tokens just accepted). A step without drafts is left in flight,
+and while n-gram lookup finds nothing to draft from the tokens known (one step stale), the next step is
+launched beside it, as plain decoding pipelines its steps; where a match appears, the step in flight is
+collected first and the next one drafted from every token. Whether it speculates is SpeculationPolicy's
 call, by measurement: per decode batch size, the tokens a second each mode has given, so that speculation
 switches itself off where it does not pay (large batches, text that n-gram lookup cannot predict) and
 back on where it does. Outputs do not depend on the choice: greedy tokens are the same either way, and a
@@ -121,6 +123,11 @@ class SpeculativeDecoding:
                 drafts[i] = draft[:keep]
                 budget -= keep
         return drafts
+
+    def may_propose(self, seqs: list[Sequence]) -> bool:
+        """Whether drafts may follow the step in flight: n-gram lookup finds a match in some sequence's known
+        tokens (a draft model always drafts)."""
+        return self.proposer is None or self.proposer.may_propose(seqs)
 
     def accept(self, seqs: list[Sequence], drafts: list[list[int]], token_ids: list[int], num_accepted: list[int],
                logprobs) -> list[Sequence]:

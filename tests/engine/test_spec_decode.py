@@ -261,9 +261,10 @@ def test_the_first_drafted_position_has_plain_decodings_law(tiny_model, law_prom
     params = SamplingParams(n=N_LAW, seed=21, max_tokens=3, ignore_eos=True, **LAW)
 
     with engine(tiny_model, ngram(2, 1, 1), max_num_seqs=N_LAW, num_kvcache_blocks=N_LAW + 16) as llm:
-        # two steps, the prefill and the first decode step, then the rest is dropped
+        # three steps: the prefill (left in flight), its collection (the prompt ends in a match, so drafts may
+        # follow t1) and the first decode step, verified; then the rest is dropped
         request = llm.add_request(prompt, params)
-        finished = llm._step()[0] + llm._step()[0]      # those that gained all 3 tokens end here
+        finished = llm._step()[0] + llm._step()[0] + llm._step()[0]     # those that gained all 3 tokens end here
         seqs = sorted([*finished, *llm.scheduler.running], key=lambda seq: seq.index)
         assert [seq.index for seq in seqs] == list(range(N_LAW))
         gained = [seq.completion_token_ids[:2] for seq in seqs]
@@ -307,6 +308,34 @@ def test_the_policy_speculates_where_it_measures_faster_and_retries_the_other_mo
     assert [policy.speculate(4) for _ in range(3)] == [False, False, True]     # the 16th step retries
     assert policy.speculate(64) is True         # another bucket: measured on its own
     assert SpeculationPolicy(adaptive=False).speculate(1000)
+
+
+def test_steps_with_nothing_to_draft_run_pipelined_and_a_match_collects_first(tiny_model):
+    """A step without drafts is left in flight; while the known tokens hold no match, the next one launches
+    beside it (plain decoding's pipelining, no drafts); where they do, the step in flight is collected first
+    (a step that launches nothing) and the next one verifies drafts."""
+    with engine(tiny_model, ngram(3), max_model_len=1024) as llm:
+        distinct = list(range(100, 120))        # no token repeats: lookup finds nothing in the prompt
+        llm.add_request(distinct, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        assert llm._step()[1] == len(distinct) and llm._in_flight is not None      # the prefill, in flight
+        assert llm._step()[1] == -1 and llm._in_flight is not None      # a decode step launched beside it
+        (seq,) = llm.scheduler.running or llm.scheduler.finishing
+        assert seq.num_pending_tokens == 1
+        while not llm.is_finished():
+            llm._step()
+        assert llm.stats["spec_decode_num_drafts"] == 0
+
+        # every token of the vocabulary appears in the prompt, so whatever comes next matches, and so does
+        # the prompt's last token
+        everything = list(range(VOCAB)) + [5, 6]
+        llm.add_request(everything, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert llm._step()[1] == len(everything) and llm._in_flight is not None
+        assert llm._step()[1] == 0 and llm._in_flight is None      # a match: the prefill collected, nothing launched
+        assert llm._step()[1] == -1 and llm._in_flight is None     # drafts verified and collected at once
+        assert llm.stats["spec_decode_num_drafts"] == 1
+        while not llm.is_finished():
+            llm._step()
+        assert_idle(llm)
 
 
 def test_switching_modes_between_steps_gives_plain_decodings_tokens(tiny_model, greedy_reference, plain):
