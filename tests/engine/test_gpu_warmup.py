@@ -48,8 +48,9 @@ def test_speculative_verification_replays_decode_graphs_and_compiles_nothing_aft
     prompts = random_prompts(40, seed=12, lengths=(1, 1500))
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
-        llm.spec_decode.proposer.propose = lambda seqs, room: [[seq.last_token] * max(0, min(3, r))
-                                                               for seq, r in zip(seqs, room)]
+        proposer = llm.spec_decode.proposer
+        proposer.propose = lambda seqs, room: [[seq.last_token] * max(0, min(3, r)) for seq, r in zip(seqs, room)]
+        proposer.may_propose = lambda seqs: True      # so the step in flight is always collected for drafts
         graphs, replayed = llm.model_runner.graphs, []
         decode = graphs.decode
 
