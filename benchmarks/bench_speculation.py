@@ -8,9 +8,10 @@ its prompt (issue #40's lookup workload), without speculation and with each conf
 
 Each request runs alone (greedy, one at a time, after a warm-up request of the same kind on another passage,
 so that no path the timed requests take compiles inside them), so the figure is one stream's tokens a second:
-of the median of --repeat passes over the conversations (the counts are a pass's). Ours also times plain
-passes between the speculating ones in the same engine (its policy told never to speculate), for a ratio that
-the machine's drift between processes does not move.
+of the median of --repeat passes over the conversations (the counts are a pass's). Ours keeps every
+configuration's engine (no speculation among them) alive in one process and takes their passes in turn, so
+that the ratios are of passes side by side: a lone small model's step is host work, which drifts by tens of
+percent between processes.
 
     VLLM_SITE=/tmp/vllm-site; PYTHONPATH=$VLLM_SITE python benchmarks/bench_speculation.py --engine vllm \
         --dtype bfloat16 --spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, \
@@ -82,40 +83,44 @@ def timed_chats(chat, max_tokens: int, repeat: int = 1) -> tuple[list[str], int,
     return passes[-1][0], passes[-1][1], statistics.median(seconds for _, _, seconds in passes)
 
 
-def run_ours(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int,
-             dtype: str, repeat: int) -> tuple[list[str], int, float, dict]:
-    """With a speculative_config, plain passes alternate with the speculating ones in the same engine (its
-    policy told never to speculate): a ratio within one process, where the machine's drift between
-    processes moves each engine's figure by tens of percent."""
+def run_ours(model: str, device: str, specs: list[dict | None], max_tokens: int, max_model_len: int,
+             dtype: str, repeat: int) -> list[tuple[list[str], int, float, dict]]:
+    """Every configuration's engine alive in this one process, their passes taken in turn (plain, spec 1,
+    spec 2, ..., plain, ...): a lone small model's step is host work, which drifts by tens of percent from
+    one process to the next and over a minute within one, so the ratios come from passes side by side."""
     import triton
-    with LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec, dtype=dtype) as llm:
-        def chat(conversation, limit):
-            out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
-            return out["text"], len(out["token_ids"])
-        chat(WARM_UP, max_tokens)
-        before = dict(llm.stats)
+    engines = []
+    try:
+        for spec in specs:     # a KV cache of a few sequences each (one runs at a time), so that all fit
+            engines.append(LLM(model, device=device, max_model_len=max_model_len, speculative_config=spec,
+                               dtype=dtype, num_kvcache_blocks=4 * -(-max_model_len // 256)))
+
+        def chat_with(llm):
+            def chat(conversation, limit):
+                out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=limit), use_tqdm=False)[0]
+                return out["text"], len(out["token_ids"])
+            return chat
+        chats = [chat_with(llm) for llm in engines]
+        for chat in chats:
+            chat(WARM_UP, max_tokens)
+        before = [dict(llm.stats) for llm in engines]
         # kernels that start-up did not compile and a request did (their compile time lands in the figure)
         compiled = []
         triton.knobs.runtime.jit_cache_hook = lambda *, fn, **_: compiled.append(fn.name) and False
-        extra = {}
         try:
-            if spec is None:
-                texts, tokens, seconds = timed_chats(chat, max_tokens, repeat)
-            else:
-                policy = llm.spec_decode.policy
-                speculate, plain_seconds, spec_seconds = policy.speculate, [], []
-                for _ in range(repeat):
-                    policy.speculate = lambda batch_size: False
-                    plain_seconds.append(one_pass(chat, max_tokens)[2])
-                    policy.speculate = speculate
-                    texts, tokens, seconds = one_pass(chat, max_tokens)
-                    spec_seconds.append(seconds)
-                seconds = statistics.median(spec_seconds)
-                extra = {"plain_same_engine_seconds": statistics.median(plain_seconds)}
+            passes = [[one_pass(chat, max_tokens) for chat in chats] for _ in range(repeat)]
         finally:
             triton.knobs.runtime.jit_cache_hook = None
-        stats = {name: (llm.stats.get(name, 0) - before.get(name, 0)) / repeat for name in STATS}
-    return texts, tokens, seconds, dict(stats, compiled_after_start_up=sorted(set(compiled)), **extra)
+        results = []
+        for i, llm in enumerate(engines):
+            texts, tokens, _ = passes[-1][i]
+            seconds = statistics.median(each[i][2] for each in passes)
+            stats = {name: (llm.stats.get(name, 0) - before[i].get(name, 0)) / repeat for name in STATS}
+            results.append((texts, tokens, seconds, dict(stats, compiled_after_start_up=sorted(set(compiled)))))
+        return results
+    finally:
+        for llm in engines:
+            llm.exit()
 
 
 def run_vllm(model: str, spec: dict | None, max_tokens: int, max_model_len: int,
@@ -176,12 +181,17 @@ def _run_vllm_here(model: str, spec: dict | None, max_tokens: int, max_model_len
         "compiled_after_start_up": None}
 
 
-def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_len: int, engine: str = "ours",
-        dtype: str = "auto", repeat: int = 1) -> dict:
+def run(model: str, device: str, specs: list[dict | None], max_tokens: int, max_model_len: int,
+        engine: str = "ours", dtype: str = "auto", repeat: int = 1) -> list[dict]:
+    """One result a configuration, in the order given."""
     if engine == "vllm":
-        texts, tokens, seconds, stats = run_vllm(model, spec, max_tokens, max_model_len, dtype, repeat)
+        outcomes = [run_vllm(model, spec, max_tokens, max_model_len, dtype, repeat) for spec in specs]
     else:
-        texts, tokens, seconds, stats = run_ours(model, device, spec, max_tokens, max_model_len, dtype, repeat)
+        outcomes = run_ours(model, device, specs, max_tokens, max_model_len, dtype, repeat)
+    return [summary(spec, engine, *outcome) for spec, outcome in zip(specs, outcomes)]
+
+
+def summary(spec: dict | None, engine: str, texts: list[str], tokens: int, seconds: float, stats: dict) -> dict:
     drafted, accepted, steps = (stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"],
                                 stats["spec_decode_num_drafts"])
     return {"engine": engine, "spec": spec, "tokens": tokens, "seconds": round(seconds, 4),
@@ -189,9 +199,7 @@ def run(model: str, device: str, spec: dict | None, max_tokens: int, max_model_l
             "ms_per_token": round(seconds / tokens * 1e3, 4), "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance": round(accepted / drafted, 4) if drafted else None,
             "mean_gained_per_verification": round(1 + accepted / steps, 3) if steps else None,
-            "compiled_after_start_up": stats["compiled_after_start_up"], "texts": texts,
-            **({"speedup_same_engine": round(stats["plain_same_engine_seconds"] / seconds, 3)}
-               if "plain_same_engine_seconds" in stats else {})}
+            "compiled_after_start_up": stats["compiled_after_start_up"], "texts": texts}
 
 
 def main() -> None:
@@ -216,9 +224,8 @@ def main() -> None:
     specs = args.spec or [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                            "prompt_lookup_min": 2}]
     options = dict(engine=args.engine, dtype=args.dtype, repeat=args.repeat or (5 if device == "cuda" else 1))
-    plain = run(str(args.model), device, None, args.max_tokens, args.max_model_len, **options)
-    results = [plain] + [run(str(args.model), device, spec, args.max_tokens, args.max_model_len, **options)
-                         for spec in specs]
+    results = run(str(args.model), device, [None] + specs, args.max_tokens, args.max_model_len, **options)
+    plain = results[0]
     plain_texts = plain["texts"]
     for result in results:
         result["speedup"] = round(result["tok_per_s"] / plain["tok_per_s"], 3)
@@ -228,10 +235,8 @@ def main() -> None:
             print(json.dumps({**result, "device": device, "requests": len(texts)}))
         else:
             name = "no speculation" if result["spec"] is None else json.dumps(result["spec"])
-            same = (f"; {result['speedup_same_engine']:.2f}x against plain passes between its own"
-                    if "speedup_same_engine" in result else "")
             print(f"{name}: {result['tok_per_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/token, "
-                  f"{result['speedup']:.2f}x{same}), {result['accepted_tokens']:g} of {result['draft_tokens']:g} drafts "
+                  f"{result['speedup']:.2f}x), {result['accepted_tokens']:g} of {result['draft_tokens']:g} drafts "
                   f"accepted, {result['mean_gained_per_verification']} tokens a verification, "
                   f"{result['same_text']}/{len(texts)} texts as without"
                   + (f"; compiled after start-up: {result['compiled_after_start_up']}"
