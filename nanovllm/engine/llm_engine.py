@@ -14,7 +14,7 @@ from nanovllm.engine.step_outputs import completion_updates, record_logprobs, re
 from nanovllm.engine.request_check import RequestLimits, checked_request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.spec_decode import SpeculativeDecoding
+from nanovllm.engine.spec_decode import SpeculativeDecoding, count_accepted
 from nanovllm.engine.structured_output import StructuredOutputs
 from nanovllm.sampling_params import SamplingParams
 
@@ -218,7 +218,8 @@ class LLMEngine:
         token_bitmask = self.structured_outputs.verify_bitmask(seqs, drafts) if constrained else None
         sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids, rank0_only=token_bitmask)
         self._ended_seq_ids = []
-        token_ids, num_accepted, logprobs = sampled.tolist(), accepted.tolist(), sampled.logprobs()
+        token_ids, logprobs = sampled.tolist(), sampled.logprobs()
+        num_accepted = accepted.tolist() if accepted is not None else count_accepted(token_ids, drafts)
         self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
         finished = self.spec_decode.accept(seqs, drafts, token_ids, num_accepted, logprobs)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)

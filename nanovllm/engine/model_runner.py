@@ -12,12 +12,12 @@ from nanovllm.engine.eagle3_proposer import Eagle3Proposer
 from nanovllm.engine.model_loading import build_model
 from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sampled_tokens import SampledTokens
-from nanovllm.engine.sampling_inputs import build_sampling_tensors, build_verify_tensors
+from nanovllm.engine.sampling_inputs import argmax_suffices, build_sampling_tensors, build_verify_tensors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.layers.rejection_sampler import DraftRows, RejectionSampler
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.utils.context import get_context, reset_context, using_context
 from nanovllm.utils.transfer import list_to_device
 
@@ -227,36 +227,44 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], finished_seq_ids: list[int] = (),
                token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[SampledTokens, torch.Tensor] | None:
+               ) -> tuple[SampledTokens, torch.Tensor | None] | None:
         """Speculative decoding's target step: each seq computes its last token and its drafts, one decode row
         each (step_inputs.prepare_verify; replayed in the decode graph of the rows' bucket where one holds
         them), every position's logits are sampled as plain decoding samples them
         (sampling_inputs.build_verify_tensors), and the rejection sampler counts the drafts accepted
         (layers/rejection_sampler.py). Rank 0 gets (SampledTokens of every row, num_accepted [seqs] on the
-        device): seq i gains the tokens of its rows 0..num_accepted[i]. Nothing is left pending: the
+        device, or None where every row is greedy and nothing edits its logits: its tokens are the argmax and
+        the engine counts the drafts that equal them, spec_decode.count_accepted): seq i gains the tokens
+        of its rows 0..num_accepted[i]. Nothing is left pending: the
         engine collects this step before it schedules the next. token_bitmask: as sample_deferred's, over the
         verification's rows (StructuredOutputs.verify_bitmask)."""
         input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device)
         logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
         context = get_context()
         reset_context()
-        if self.rank == 0:      # while the device runs the forward pass: the host waits on this step
+        self.sampled, self.sampled_rows = self.sampled[:0], {}
+        draft_reads = self.draft is not None and self.draft.reads_verification
+        if self.rank == 0:
+            draft_probs, self._draft_probs = self._draft_probs, None
             self.penalty_state.release(finished_seq_ids)
+            # greedy rows with nothing to edit: every row's token is its argmax, whatever the proposal's law
+            # (the target's is one-hot), and the engine counts the leading rows that equal their drafts
+            if not draft_reads and token_bitmask is None and argmax_suffices(seqs):
+                return SampledTokens(SamplerOutput(token_ids=logits.argmax(dim=-1))), None
+        if self.rank == 0:      # while the device runs the forward pass: the host waits on this step
             tensors, state_rows = build_verify_tensors(
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
                 self.device)
             rows = DraftRows.from_drafts(drafts, self.device)
             tensors.token_bitmask = self._on_device(token_bitmask)
-        self.sampled, self.sampled_rows = self.sampled[:0], {}
         output = accepted = None
         if self.rank == 0:
-            draft_probs, self._draft_probs = self._draft_probs, None
             output, accepted = self.rejection_sampler(logits, tensors, rows, draft_probs)
             if state_rows is not None:      # count the emitted tokens of the penalized rows
                 p = tensors.penalties.rows
                 emitted = rows.offsets[p] <= accepted[rows.seq_of_row[p]]
                 self.penalty_state.count(state_rows[emitted], output.token_ids[p][emitted])
-        if self.draft is not None and self.draft.reads_verification:    # an EAGLE-3 head: every rank
+        if draft_reads:     # an EAGLE-3 head: every rank
             token_ids = output.token_ids if self.rank == 0 else input_ids.new_empty(len(input_ids))
             accepted = accepted if self.rank == 0 else input_ids.new_empty(len(seqs))
             self.tp.broadcast_from_first(token_ids)

@@ -35,6 +35,19 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_outputs import record_logprobs
 
 
+def count_accepted(token_ids: list[int], drafts: list[list[int]]) -> list[int]:
+    """Per sequence, how many of its drafts hold where its rows' tokens are the target's own choices (a
+    verification's greedy rows, ModelRunner.verify): the leading drafts equal to the tokens of their rows."""
+    counts, row = [], 0
+    for draft in drafts:
+        accepted = 0
+        while accepted < len(draft) and token_ids[row + accepted] == draft[accepted]:
+            accepted += 1
+        counts.append(accepted)
+        row += len(draft) + 1
+    return counts
+
+
 class SpeculationPolicy:
     """Speculate or decode plainly, per decode batch size (bucketed to powers of two): whichever mode has
     given more tokens a second there (an exponential average of the engine's steps: tokens emitted over the

@@ -40,6 +40,9 @@ class SamplingTensors:
     logits_rows: torch.Tensor | None = None     # the logits row of each sampled row (n > 1 repeats one)
     # structured outputs: (bitmask [r, words] int32, rows [r] int32): tokens whose bit is 0 get -inf
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # every row greedy, nothing edited or reported (sampling_inputs.argmax_suffices): a row's token is its
+    # argmax, one launch instead of the sampler's kernels
+    argmax_only: bool = False
 
 
 @dataclass
@@ -104,6 +107,8 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         if tensors.logits_rows is not None:
             logits = logits[tensors.logits_rows]
+        if tensors.argmax_only and tensors.token_bitmask is None:
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
         on_kernels = self._on_kernels(logits)
         self._mask(logits, tensors, on_kernels)
         raw = logits

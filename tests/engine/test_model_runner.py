@@ -1,8 +1,10 @@
 """ModelRunner's step inputs: which tokens, at which positions, written to which cache slots."""
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sampling_inputs import build_sampling_tensors
+from nanovllm.engine.sampling_inputs import argmax_suffices, build_sampling_tensors
+from nanovllm.engine.spec_decode import count_accepted
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import get_context, reset_context
 
@@ -87,6 +89,46 @@ def test_sampling_reads_each_sequence_temperature(llm):
     runner = llm.model_runner
     tensors, _ = build_sampling_tensors(seqs, None, 512, frozenset(), runner.penalty_state, runner.device)
     assert tensors.temperatures.tolist() == pytest.approx([0.0, 0.7])
+
+
+@pytest.mark.parametrize("params, argmax", [
+    (dict(temperature=0.0), True),
+    (dict(temperature=0.0, top_k=5, top_p=0.5), True),          # filters do not move a greedy row's argmax
+    (dict(temperature=0.7), False),
+    (dict(temperature=0.0, logprobs=2), False),                 # log-probs are reported
+    (dict(temperature=0.0, repetition_penalty=1.2), False),     # penalties edit the logits
+    (dict(temperature=0.0, min_tokens=3), False),               # eos is banned for the first 3 tokens
+], ids=["greedy", "greedy-filters", "sampled", "logprobs", "penalty", "min_tokens"])
+def test_a_step_of_plain_greedy_rows_is_sampled_by_argmax_alone(llm, params, argmax):
+    """A step whose rows are all greedy, with nothing that edits or reports on the logits, is drawn by one
+    argmax (the sampler's kernels would give the same: ties to the lowest id); any other row keeps the
+    sampler's whole path for the step."""
+    runner = llm.model_runner
+    seqs = [Sequence([1, 2], SamplingParams(**params), BS), Sequence([3], SamplingParams(temperature=0.0), BS)]
+    tensors, _ = build_sampling_tensors(seqs, None, 512, frozenset({0}), runner.penalty_state, runner.device)
+    assert tensors.argmax_only is argmax
+    assert argmax_suffices(seqs) is argmax
+    logits = torch.randn(2, 512)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1           # a tie: the lower id
+    if argmax:
+        assert runner.sampler(logits, tensors).token_ids.tolist() == [int(logits[0].argmax()), 7]
+
+
+def test_a_greedy_verification_leaves_the_accepted_count_to_the_host(tiny_model):
+    """Greedy rows verify by their argmax alone (no accepted count on the device; the engine counts the
+    drafts equal to the tokens, spec_decode.count_accepted); a sampled row takes the rejection sampler."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False}
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=BS, max_model_len=1024, speculative_config=spec) as llm:
+        runner, outcomes = llm.model_runner, []
+        verify = runner.verify
+        runner.verify = lambda *args: outcomes.append(verify(*args)) or outcomes[-1]
+        prompt = list(range(512)) + [5, 6]      # every token of the vocabulary in it: each step drafts
+        for temperature in (0.0, 0.8):
+            outcomes.clear()
+            llm.generate([prompt], SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)
+            assert outcomes and all((accepted is None) == (temperature == 0.0) for _, accepted in outcomes)
+    assert count_accepted([5, 6, 9, 4, 2, 3, 8], [[5, 7], [4, 2], []]) == [1, 2, 0]
 
 
 def test_kv_cache_is_one_tensor_bound_into_every_layer(llm):
