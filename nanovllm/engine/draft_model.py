@@ -25,13 +25,14 @@ import torch
 from nanovllm.config import Config
 from nanovllm.distributed.group import TensorParallelGroup
 from nanovllm.engine import kv_cache as kv
+from nanovllm.engine.cuda_graphs import CudaGraphs
 from nanovllm.engine.model_loading import build_model
 from nanovllm.engine.sampling_inputs import seeded_key
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import prepare_segments
+from nanovllm.engine.step_inputs import prepare_decode_rows
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
-from nanovllm.utils.context import reset_context
+from nanovllm.utils.context import get_context, reset_context
 from nanovllm.utils.transfer import to_device
 
 DRAFT_SALT = 0x5EED_D4AF      # a draft's draw keys differ from the verification's keys at the same position
@@ -101,39 +102,66 @@ class Drafter:
 
 class DraftModel(Drafter):
     """The draft model of one rank and its KV cache (see the module's docstring): its drafting writes the
-    drafts' K/V itself."""
+    drafts' K/V itself. Its passes are decode rows (one a token, each attending to its sequence's K/V up to
+    its own position), so that they replay decode graphs of their own (capture_graphs): a drafting round,
+    and the draft's K/V of a target decode step, are one launch each rather than a launch a kernel."""
 
     def __init__(self, config: Config, target: torch.nn.Module, device: torch.device, group: TensorParallelGroup,
                  rank: int, ops):
         super().__init__(config, device, group, rank, ops)
+        self.graphs: CudaGraphs | None = None
+
+    def capture_graphs(self, max_rows: int, max_num_blocks: int, logits_rows: int) -> None:
+        """Decode graphs of the draft model, up to max_rows rows, the logits in them up to logits_rows."""
+        hf = self.config.draft_hf_config
+        self.graphs = CudaGraphs(self.model, max_rows, max_num_blocks, [], hf.hidden_size, self.config.dtype,
+                                 self.device, logits_rows=logits_rows)
+        self.graphs.capture()
+
+    def exit(self) -> None:
+        self.graphs = None
+        super().exit()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
+        """The draft's pass under the current context (decode rows: replayed where a graph holds them), and
+        its logits of every row (logits=True)."""
+        replay = None
+        if self.graphs is not None and not get_context().is_prefill:
+            replay = self.graphs.decode(input_ids, positions)
+        hidden, in_graph = replay or (self.model(input_ids, positions), None)
+        if not logits:
+            return None
+        return in_graph if in_graph is not None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
                    computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
         """The draft's K/V of the tokens a target step (prefill or decode) computed, under its attention
         metadata (the caller sets it again)."""
-        self.model(input_ids, positions)
+        self._forward(input_ids, positions, logits=False)
 
     def after_verify(self, *args) -> None:
         """Nothing: the drafts' K/V were written as they were drafted."""
 
     def _round_logits(self, j: int, rows: list[int], seqs: list[Sequence], first_tokens: list[list[int]],
                       drafted: torch.Tensor) -> torch.Tensor | None:
-        """Round 0 computes each sequence from one token back (see the module's docstring) to its last token;
-        round j its draft j at its position."""
+        """Round 0 computes each sequence from one token back (see the module's docstring) to its last token,
+        and drafts from its last row; round j computes its draft j at its position."""
         batch = [seqs[i] for i in rows]
         if j == 0:
             firsts = [first_tokens[i] for i in rows]
-            positions = prepare_segments(batch, [seq.num_tokens - len(f) for seq, f in zip(batch, firsts)],
-                                         [len(f) for f in firsts], self.block_size, self.device)
+            counts = [len(f) for f in firsts]
+            positions = prepare_decode_rows(batch, [seq.num_tokens - n for seq, n in zip(batch, counts)], counts,
+                                            self.block_size, self.device)
             input_ids = to_device(np.array([t for f in firsts for t in f], dtype=np.int64), self.device)
+            last_rows = None if max(counts) == 1 else to_device(np.cumsum(counts) - 1, self.device)
         else:
-            positions = prepare_segments(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
-                                         self.block_size, self.device)
-            input_ids = drafted[rows, j - 1]
-        logits = self.model.compute_logits(self.model(input_ids, positions))
+            positions = prepare_decode_rows(batch, [seq.num_tokens + j - 1 for seq in batch], [1] * len(batch),
+                                            self.block_size, self.device)
+            input_ids, last_rows = drafted[rows, j - 1], None
+        logits = self._forward(input_ids, positions)
         reset_context()
-        return logits
+        return logits if last_rows is None or logits is None else logits[last_rows]      # None: not rank 0
 
 
 def draw_inputs(seqs: list[Sequence], rounds: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -314,3 +314,6 @@ class ModelRunner:
                                  hf.hidden_size, config.dtype, self.device,
                                  logits_rows=LOGITS_IN_GRAPH_ROWS if self.world_size == 1 else 0)
         self.graphs.capture()
+        if isinstance(self.draft, DraftModel):      # its rounds: a row a sequence, or a few from one token back
+            self.draft.capture_graphs(2 * config.max_num_seqs, -(-config.max_model_len // self.block_size),
+                                      LOGITS_IN_GRAPH_ROWS if self.world_size == 1 else 0)

@@ -120,21 +120,37 @@ def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: in
     attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it.
     The host waits on every such step, so its columns travel as one copy (as prepare_decode's)."""
     assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
-    rows, positions, slots, tables = segment_rows(seqs, [seq.num_tokens - 1 for seq in seqs],
-                                                  [len(d) + 1 for d in drafts], block_size)
+    tokens = [t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)]
+    return _decode_rows(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts], block_size,
+                        device, tokens)
+
+
+def prepare_decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
+                        device: torch.device) -> torch.Tensor:
+    """seqs[i] computing counts[i] tokens at positions starts[i] on, one decode row a token, each attending to
+    its sequence's K/V up to its own position (as a verification's rows): a draft model's passes, which so
+    replay its decode graphs. Returns the positions; the caller supplies the tokens."""
+    return _decode_rows(seqs, starts, counts, block_size, device)[1]
+
+
+def _decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int, device: torch.device,
+                 tokens: list[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Sets the decode-row context of seqs[i]'s counts[i] tokens at starts[i] on; returns (the tokens on the
+    device, if given, the positions), every column in one copy."""
+    rows, positions, slots, tables = segment_rows(seqs, starts, counts, block_size)
     num_rows, width = len(rows), tables.shape[1]
-    flat = np.empty(4 * num_rows + num_rows * width, dtype=np.int64)
-    flat[:num_rows] = [t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)]
-    flat[num_rows:2 * num_rows] = positions
-    flat[2 * num_rows:3 * num_rows] = positions + 1         # context lengths
-    flat[3 * num_rows:4 * num_rows] = slots
-    flat[4 * num_rows:] = tables[rows].ravel()              # each row reads its sequence's block table
+    lead = 0 if tokens is None else num_rows
+    flat = np.empty(lead + 3 * num_rows + num_rows * width, dtype=np.int64)
+    flat[:lead] = tokens or []
+    flat[lead:lead + num_rows] = positions
+    flat[lead + num_rows:lead + 2 * num_rows] = positions + 1          # context lengths
+    flat[lead + 2 * num_rows:lead + 3 * num_rows] = slots
+    flat[lead + 3 * num_rows:] = tables[rows].ravel()                # each row reads its sequence's block table
     flat = to_device(flat, device)
-    columns = flat[:4 * num_rows].view(4, num_rows)
-    context = flat[2 * num_rows:].to(torch.int32)      # the kernels read int32 metadata
+    context = flat[lead + num_rows:].to(torch.int32)      # the kernels read int32 metadata
     set_context(False, slot_mapping=context[num_rows:2 * num_rows], context_lens=context[:num_rows],
                 block_tables=context[2 * num_rows:].view(num_rows, width))
-    return columns[0], columns[1]
+    return (flat[:lead] if tokens is not None else None), flat[lead:lead + num_rows]
 
 
 def prompt_logprob_targets(seqs: list[Sequence], computed: list[Sequence], wanted: list[tuple[int, int]]

@@ -106,11 +106,22 @@ def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(m
     prompts = random_prompts(40, seed=13, lengths=(1, 1500))
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, speculative_config=spec) as llm:
+        replayed = []       # a draft model's passes replay its own decode graphs (an EAGLE-3 head's run eagerly)
+        draft_graphs = getattr(llm.model_runner.draft, "graphs", None)
+        if draft_graphs is not None:
+            decode = draft_graphs.decode
+
+            def recorded_decode(*args):
+                replay = decode(*args)
+                replayed.append(replay is not None)
+                return replay
+            draft_graphs.decode = recorded_decode
         with recorded_compilations() as compiled:
             outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
             for options in (dict(temperature=0.8, top_p=0.9, logprobs=2), dict(temperature=0.6, seed=3, n=2)):
                 for batch in (prompts[:1], prompts[:3], prompts[:40]):
                     llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["spec_decode_draft_tokens"] > 0
+        assert (method == "draft_model") == (sum(replayed) > 0)
     assert_none_compiled(compiled)
     assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy)
