@@ -118,7 +118,8 @@ def warmup_cached_paths(runner) -> None:
 
 
 def _warm_eager_decodes(runner) -> None:
-    """A drafter runs its decode steps eagerly (the target replays graphs with fixed buffers), so its
+    """An EAGLE-3 head runs its decode steps eagerly, and so does a draft model beyond its largest graph or with
+    enforce_eager (the target replays graphs with fixed buffers), so its
     attention meets the variants Triton compiles by the step's layout: batches of 1, 2 and 4 sequences (the
     inputs' columns start 4, 8 or 16 bytes into one buffer: step_inputs.prepare_decode) over block tables
     1, 2 and 16 blocks wide (the attention kernels no longer specialize on a table's width; kept as a check)."""
