@@ -181,8 +181,9 @@ class LLMEngine:
         self._ended_seq_ids = []
         return (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows]), num_tokens
 
-    def _pipelined_step(self) -> tuple[list[Sequence], int]:
-        seqs, is_prefill = self.scheduler.schedule()
+    def _pipelined_step(self, scheduled: tuple[list[Sequence], bool] | None = None) -> tuple[list[Sequence], int]:
+        """Launch the next step (`scheduled`, or what the scheduler gives now) and collect the one in flight."""
+        seqs, is_prefill = scheduled or self.scheduler.schedule()
         launched, num_tokens, constrained = None, 0, False
         if seqs:
             # constrained sequences: the forward pass now, the sampling once the masks are known (below)
@@ -206,15 +207,11 @@ class LLMEngine:
         if not seqs:
             raise RuntimeError("the scheduler could schedule nothing although requests are pending")
         drafts = None if is_prefill else self.spec_decode.propose(seqs)
-        constrained = any(seq.grammar is not None for seq in seqs)
         if drafts is None or not any(drafts):
             # nothing to verify: left in flight, so that the next step may be launched beside it (or collects
             # it first, where drafts may follow)
-            launched, num_tokens = self._launch(seqs, is_prefill, constrained)
-            if constrained:
-                launched = (launched[0], self._sample_deferred(seqs), launched[2])
-            self._in_flight = launched
-            return [], num_tokens
+            return self._pipelined_step((seqs, is_prefill))
+        constrained = any(seq.grammar is not None for seq in seqs)
         token_bitmask = self.structured_outputs.verify_bitmask(seqs, drafts) if constrained else None
         sampled, accepted = self._call("verify", seqs, drafts, self._ended_seq_ids, rank0_only=token_bitmask)
         self._ended_seq_ids = []

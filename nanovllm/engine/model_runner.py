@@ -251,7 +251,7 @@ class ModelRunner:
             # (the target's is one-hot), and the engine counts the leading rows that equal their drafts
             if not draft_reads and token_bitmask is None and argmax_suffices(seqs):
                 return SampledTokens(SamplerOutput(token_ids=logits.argmax(dim=-1))), None
-        if self.rank == 0:      # while the device runs the forward pass: the host waits on this step
+            # while the device runs the forward pass: the host waits on this step
             tensors, state_rows = build_verify_tensors(
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
                 self.device)

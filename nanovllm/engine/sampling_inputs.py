@@ -31,13 +31,18 @@ def seeded_key(seed: int, index: int, position: int) -> int:
     return _mix(_mix(_mix(seed & _MASK64) ^ index) ^ position) >> 2     # < 2**62: fits int64 and torch seeds
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy, and nothing that edits or reports on the logits but min_tokens' bans (penalties, log-probs)."""
+    return p.greedy and p.logprobs is None and not p.has_penalties
+
+
 def argmax_suffices(seqs: list[Sequence]) -> bool:
     """Whether each of these sequences' next tokens (and, in a verification, the tokens after its drafts) is
     simply its logits' argmax: greedy, and nothing edits or reports on the logits (penalties, min_tokens'
     bans, log-probs; structured outputs' masks are the caller's to rule out). The sampler's draw would be
     that argmax (ties: the lowest id, as torch.argmax), so its inputs need not be built."""
-    return all(p.greedy and p.logprobs is None and not p.has_penalties and p.min_tokens <= seq.num_completion_tokens
-               for seq, p in ((seq, seq.sampling_params) for seq in seqs))
+    return all(_plain_greedy(seq.sampling_params) and seq.sampling_params.min_tokens <= seq.num_completion_tokens
+               for seq in seqs)
 
 
 def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, vocab_size: int,
@@ -126,8 +131,8 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
                 rows=to_device(np.array(penalized, dtype=np.int64), device), state_rows=state_rows,
                 prompt_mask=penalty_state.prompt_mask, output_counts=penalty_state.output_counts,
                 repetition=weights[0, :num], frequency=weights[1, :num], presence=weights[2, :num])
-    tensors.argmax_only = tensors.banned is None and all(
-        p.greedy and p.logprobs is None and not p.has_penalties for p in distinct)
+    # argmax_suffices, from the distinct params (min_tokens: no row is banned anything)
+    tensors.argmax_only = tensors.banned is None and all(_plain_greedy(p) for p in distinct)
     return tensors, state_rows
 
 
