@@ -114,6 +114,7 @@ def test_a_step_of_plain_greedy_rows_is_sampled_by_argmax_alone(llm, params, arg
         assert runner.sampler(logits, tensors).token_ids.tolist() == [int(logits[0].argmax()), 7]
 
 
+@pytest.mark.timeout(120)       # an engine's step loop: a regression fails instead of hanging
 def test_a_greedy_verification_leaves_the_accepted_count_to_the_host(tiny_model):
     """Greedy rows verify by their argmax alone (no accepted count on the device; the engine counts the
     drafts equal to the tokens, spec_decode.count_accepted); a sampled row takes the rejection sampler."""
