@@ -197,9 +197,19 @@ def test_gpu_gemms_against_a_float32_reference(path, layer):
         ref = reference(x, q_w, s_w, scheme)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         err = (out.float() - ref).norm() / ref.norm()
-        worst = ((out.float() - ref).abs() / (ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True))).max()
-        print(f"{path} {layer} M={m}: relative error {err:.2e}, worst element {worst:.2e}")
-        assert err < 4e-3 and worst < 3e-2     # bf16 output rounding alone is up to 2^-9 = 2e-3 per element
+        if path == "scaled-mm" and fp8_gemm.SCALED_MM_FAST_ACCUM:
+            # the tensor cores' own ~14-bit running sum over all of K (no promotion every 128 products): an output
+            # near zero is off by a small part of its products' magnitude, not of itself. Beyond bf16's rounding
+            # of the output, within 2^-10 of that magnitude (the promoted kernels: 2^-11; measured on an H100:
+            # 2.2e-4 to 6.5e-4), and the whole product within 5e-3 (measured 2.2e-3 to 3.3e-3)
+            magnitude = reference(x, q_w, s_w, scheme, absolute=True)
+            excess = ((out.float() - ref).abs() - 2 ** -8 * ref.abs()).clamp(min=0)
+            worst, bound, max_err = (excess / magnitude).max(), 2 ** -10, 5e-3
+        else:   # bf16 output rounding alone is up to 2^-9 = 2e-3 per element
+            worst = ((out.float() - ref).abs() / (ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True))).max()
+            bound, max_err = 3e-2, 4e-3
+        print(f"{path} {layer} M={m}: relative error {err:.2e}, worst element {worst:.2e} (bound {bound:.1e})")
+        assert err < max_err and worst < bound
 
 
 @cuda
