@@ -53,18 +53,18 @@ def _store_token(y, scale, q_ptrs, ok, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr, width, num_groups,
-                           eps, stride_x, stride_r, stride_q, stride_s, stride_r_out, ADD: tl.constexpr,
-                           GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                           PDL: tl.constexpr = False):
+def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residual_out_ptr, row_scale_ptr,
+                           col_scale_ptr, width, num_groups, eps, stride_x, stride_r, stride_q, stride_s,
+                           stride_r_out, ADD: tl.constexpr, SCALED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                           BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Program row: (x + residual) normalized, times the weight, rounded as pointwise's kernel rounds it, then
     quantized per token (GROUP_SIZE 0) or per group."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < width
-    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
-                     stride_r_out, ADD, BLOCK).to(tl.float32)
+    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr, row, width,
+                     eps, stride_x, stride_r, stride_r_out, ADD, SCALED, BLOCK).to(tl.float32)
     q_ptrs = q_ptr + row * stride_q + cols
     if GROUP_SIZE == 0:
         scale = _row_scale(tl.abs(y))
@@ -125,21 +125,22 @@ def _outputs(num_rows: int, width: int, group_size: int | None, device: torch.de
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                   group_size: int | None = None):
-    """pointwise.rms_norm(x, weight, eps, residual) quantized as fp8_gemm.quantize_activations(., group_size)
-    would quantize it: (e4m3 [T, H], scales [T] or [T, ceil(H / group_size)]), and with `residual` the sum
-    x + residual (the next layer's residual) third."""
+                   group_size: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """pointwise.rms_norm(x, weight, eps, residual, scales) quantized as fp8_gemm.quantize_activations(.,
+    group_size) would quantize it: (e4m3 [T, H], scales [T] or [T, ceil(H / group_size)]), and with
+    `residual` the sum x + residual (the next layer's residual) third."""
     tokens, width = x.shape
     assert x.stride(1) == 1 and weight.shape == (width,) and weight.dtype == x.dtype
+    row_scale, col_scale = scales if scales is not None else (x, x)
     q, scale, num_groups = _outputs(tokens, width, group_size, x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
     if tokens:
         block = max(triton.next_power_of_2(width), group_size or 1)
         _rms_norm_quant_kernel[(tokens,)](
-            x, x if residual is None else residual, weight, q, scale, residual_out, width, num_groups, eps,
-            x.stride(0), 0 if residual is None else residual.stride(0), q.stride(0),
+            x, x if residual is None else residual, weight, q, scale, residual_out, row_scale, col_scale, width,
+            num_groups, eps, x.stride(0), 0 if residual is None else residual.stride(0), q.stride(0),
             0 if group_size is None else scale.stride(0), residual_out.stride(0), ADD=residual is not None,
-            GROUP_SIZE=group_size or 0, BLOCK=block, INTERPRET=x.device.type != "cuda",
+            SCALED=scales is not None, GROUP_SIZE=group_size or 0, BLOCK=block, INTERPRET=x.device.type != "cuda",
             num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
     return (q, scale) if residual is None else (q, scale, residual_out)
 

@@ -43,6 +43,11 @@ SCALED_MM_MIN_TOKENS = 65   # fewer rows: our decode tiles (SKINNY_CONFIGS; cuBL
 # steps): 6-10% faster from 192 rows up on an H100, with a few times bf16's output rounding added (docs/benchmarks.md,
 # 2026-11-27); vLLM's CUTLASS FP8 GEMMs on Hopper accumulate the same way (FP8FastAccum schedules)
 SCALED_MM_FAST_ACCUM = True
+# a GEMM of SCALED_MM_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose output goes straight into a residual RMSNorm runs
+# unscaled (per-tensor _scaled_mm with unit scales: cuBLASLt's kernels there take 10-30% less time than the row-wise
+# path on the 4096-column projections of Qwen3-8B, none above ~512 rows) and leaves both scales to the norm
+# (layers.quantization.ScaledOutput)
+UNSCALED_MAX_TOKENS = 512
 # the kernels' copies (a @triton.jit function reads only constexpr globals)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -269,6 +274,28 @@ def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch
     """Whether a per-channel GEMM of this shape goes through torch._scaled_mm (else our kernel)."""
     return (num_rows >= SCALED_MM_MIN_TOKENS and out_dtype == torch.bfloat16 and width % 16 == 0
             and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
+
+
+def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype,
+                         device: torch.device) -> bool:
+    """Whether a per-channel GEMM of this shape, whose consumer can apply the scales, runs unscaled_matmul."""
+    return num_rows <= UNSCALED_MAX_TOKENS and scaled_mm_applies(num_rows, num_cols, width, out_dtype, device)
+
+
+@lru_cache(maxsize=None)
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    # made eagerly: the warm-up's prefills of config_token_counts() reach every deferring GEMM before capture
+    assert not torch.cuda.is_current_stream_capturing(), "the unit scale is made outside CUDA graph capture"
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def unscaled_matmul(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """q e4m3 [M, K] @ weight e4m3 [N, K]^T with neither operand's scales applied: [M, N] in out_dtype (the
+    caller applies row and column scales later: layers.quantization.ScaledOutput). Accumulates as fp8_matmul's
+    _scaled_mm path does."""
+    one = _unit_scale(q.device)
+    return torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=out_dtype,
+                            use_fast_accum=SCALED_MM_FAST_ACCUM)
 
 
 def reads_unquantized(num_rows: int, block_scaled: bool) -> bool:

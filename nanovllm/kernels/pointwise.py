@@ -50,16 +50,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
-                 stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr):
-    """Row `row` of x (plus the residual's, that sum stored to residual_out, with ADD) normalized and times the
-    weight, in x's dtype, the normalized value rounded to it first ([BLOCK], zero past `width`; also
-    nanovllm.kernels.fp8_activations' first stage)."""
+def rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr, row, width,
+                 eps, stride_x, stride_r, stride_r_out, ADD: tl.constexpr, SCALED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Row `row` of x (times its row's and each column's scale first, with SCALED: a GEMM's output whose
+    scales were left to this pass; plus the residual's, that sum stored to residual_out, with ADD) normalized
+    and times the weight, in x's dtype, the normalized value rounded to it first ([BLOCK], zero past `width`;
+    also nanovllm.kernels.fp8_activations' first stage)."""
     cols = tl.arange(0, BLOCK)
     ok = cols < width
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
+    if SCALED:
+        x *= tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + cols, mask=ok, other=0.0)
     if ADD:
         x += tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(residual_out_ptr + row * stride_r_out + cols, x.to(dtype), mask=ok)
@@ -69,30 +73,33 @@ def rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, 
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, width, eps,
-                     stride_x, stride_r, stride_out, stride_r_out, ADD: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr,
+                     width, eps, stride_x, stride_r, stride_out, stride_r_out, ADD: tl.constexpr,
+                     SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, width, eps, stride_x, stride_r,
-                     stride_r_out, ADD, BLOCK)
+    y = rms_norm_row(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr, row, width,
+                     eps, stride_x, stride_r, stride_r_out, ADD, SCALED, BLOCK)
     tl.store(out_ptr + row * stride_out + cols, y, mask=cols < width)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             scales: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [tokens, hidden] times weight (of x's dtype); with `residual`, of x + residual, and
-    that sum is returned too (the next layer's residual)."""
+    that sum is returned too (the next layer's residual). `scales` (float32 [tokens], [hidden]): x is a GEMM's
+    output whose row and column scales this pass applies first (layers.quantization.ScaledOutput)."""
     tokens, width = x.shape
     assert x.stride(1) == 1 and weight.shape == (width,) and weight.dtype == x.dtype
+    row_scale, col_scale = scales if scales is not None else (x, x)
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else out
     if tokens:
         block = triton.next_power_of_2(width)
         _rms_norm_kernel[(tokens,)](
-            x, x if residual is None else residual, weight, out, residual_out, width, eps,
+            x, x if residual is None else residual, weight, out, residual_out, row_scale, col_scale, width, eps,
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), residual_out.stride(0),
-            ADD=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+            ADD=residual is not None, SCALED=scales is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
             **pdl_options(x.device))
     return out if residual is None else (out, residual_out)

@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import pointwise
+from nanovllm.layers.quantization.base import ScaledOutput
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,25 +32,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.output_quantization = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalized x; with `residual`, (normalized x + residual, x + residual). One Triton kernel on a GPU."""
+    def forward(self, x: torch.Tensor | ScaledOutput, residual: torch.Tensor | None = None):
+        """Normalized x; with `residual`, (normalized x + residual, x + residual). One Triton kernel on a GPU,
+        which also applies a ScaledOutput's scales (elsewhere it is materialized first)."""
+        scales = None
+        if isinstance(x, ScaledOutput):
+            if self._fused(x.raw):
+                x, scales = x.raw, (x.row_scales, x.col_scales)
+            else:
+                x = x.materialize()
         quantization = self.output_quantization
         if quantization is not None and not quantization.applies(x):
             quantization = None
         if quantization is not None:
-            fused = quantization.rms_norm(x, self.weight, self.eps, residual)
+            fused = quantization.rms_norm(x, self.weight, self.eps, residual, scales)
             if fused is not None:
                 return fused
-        out = self._normalize(x, residual)
+        out = self._normalize(x, residual, scales)
         if quantization is None:
             return out
         if residual is None:
             return quantization.quantize(out)
         return quantization.quantize(out[0]), out[1]
 
-    def _normalize(self, x: torch.Tensor, residual: torch.Tensor | None):
-        if x.is_cuda and x.dim() == 2 and self.weight.dtype == x.dtype:
-            return pointwise.rms_norm(x, self.weight, self.eps, residual)
+    def _fused(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dim() == 2 and self.weight.dtype == x.dtype
+
+    def _normalize(self, x: torch.Tensor, residual: torch.Tensor | None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if self._fused(x):
+            return pointwise.rms_norm(x, self.weight, self.eps, residual, scales)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

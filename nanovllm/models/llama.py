@@ -13,6 +13,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.quantization.base import ScaledOutput
 from nanovllm.layers.rotary_kv_store import RotaryEmbedding, rope_parameters
 from nanovllm.distributed.group import current_group
 
@@ -79,6 +80,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm.output_quantization = self.self_attn.qkv_proj.input_quantization()
         if isinstance(self.mlp, LlamaMLP):
             self.post_attention_layernorm.output_quantization = self.mlp.gate_up_proj.input_quantization()
+        # o_proj's output, and the dense MLP's, go straight into an RMSNorm that adds the residual (this layer's
+        # second, the next layer's first, the model's last): where one rank holds the whole sum, a quantized
+        # projection may leave its output's scales to that norm (ScaledOutput)
+        if current_group().size == 1:
+            self.self_attn.o_proj.output_scales_to_norm = True
+            if isinstance(self.mlp, LlamaMLP):
+                self.mlp.down_proj.output_scales_to_norm = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +126,8 @@ class LlamaModel(nn.Module):
             if i in self.aux_hidden_layers:
                 width = hidden_states.size(1)
                 column = self.aux_hidden_layers.index(i) * width
+                if isinstance(hidden_states, ScaledOutput):
+                    hidden_states = hidden_states.materialize()
                 entering = hidden_states if residual is None else hidden_states + residual
                 self.aux_hidden_states[:len(entering), column:column + width].copy_(entering)
             hidden_states, residual = layer(positions, hidden_states, residual)

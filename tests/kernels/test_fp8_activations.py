@@ -47,6 +47,20 @@ def test_rms_norm_quant_is_the_norm_then_the_quantization(add, width, group, dty
     assert_same_quantization((q, scale), fp8_gemm.quantize_activations(normed, group))
 
 
+@pytest.mark.parametrize("group", [None, 128])
+def test_rms_norm_quant_applies_a_gemm_outputs_scales_as_the_plain_norm_does(group):
+    """A ScaledOutput's raw values and scales: the same e4m3 values and scales as pointwise's norm with those
+    scales, then the quantization."""
+    width, dtype = 300, torch.bfloat16
+    raw, residual = 100 * rows(5, width, dtype), rows(5, width, dtype, seed=1)
+    scales = (torch.logspace(-3, -1, 5, device=DEVICE), 0.01 + torch.rand(width, device=DEVICE))
+    weight = (1 + 0.3 * torch.randn(width, device=DEVICE)).to(dtype)
+    q, scale, summed = fp8_activations.rms_norm_quant(raw, weight, 1e-6, residual, group, scales)
+    normed, summed_ref = pointwise.rms_norm(raw, weight, 1e-6, residual, scales)
+    assert torch.equal(summed, summed_ref)
+    assert_same_quantization((q, scale), fp8_gemm.quantize_activations(normed, group))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 128])
 @pytest.mark.parametrize("width", [96, 1100])       # one block; several blocks with a ragged last one

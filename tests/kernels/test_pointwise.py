@@ -42,6 +42,27 @@ def test_rms_norm(dtype, width):
     assert not torch.equal(out, x) and not torch.equal(summed, residual)   # inputs untouched, new tensors
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_applies_a_gemm_outputs_scales_before_the_residual(dtype):
+    """With `scales`, x is a GEMM's output without its row and column scales (ScaledOutput's raw values): the
+    norm multiplies them in, in float32, before it adds the residual; unit scales change nothing, bit for bit."""
+    torch.manual_seed(0)
+    width = 100
+    raw = (300 * torch.randn(6, width, device=DEVICE)).to(dtype)
+    row_scale = torch.logspace(-3, -1, 6, device=DEVICE)
+    col_scale = 0.01 + torch.rand(width, device=DEVICE)
+    residual = torch.randn(6, width, device=DEVICE).to(dtype)
+    weight = (1 + 0.2 * torch.randn(width, device=DEVICE)).to(dtype)
+    out, summed = rms_norm(raw, weight, 1e-6, residual, (row_scale, col_scale))
+    total = raw.float() * row_scale[:, None] * col_scale[None, :] + residual.float()
+    normed = (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+    _close(summed, total.to(dtype))
+    _close(out, (normed * weight.float()).to(dtype))
+    ones = (torch.ones(6, device=DEVICE), torch.ones(width, device=DEVICE))
+    for got, plain in zip(rms_norm(raw, weight, 1e-6, residual, ones), rms_norm(raw, weight, 1e-6, residual)):
+        assert torch.equal(got, plain)
+
+
 def test_empty_batch():
     assert silu_and_mul(torch.empty(0, 8, device=DEVICE)).shape == (0, 4)
     assert rms_norm(torch.empty(0, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6).shape == (0, 8)

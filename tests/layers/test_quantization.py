@@ -286,6 +286,35 @@ def test_norm_and_gate_write_an_fp8_layers_input_as_the_layer_would_quantize_it(
         assert torch.equal(layer(quantized), layer(plain))
 
 
+@pytest.mark.parametrize("quantized_input", [False, True], ids=["plain-input", "quantized-input"])
+def test_a_layer_feeding_a_residual_norm_may_leave_its_output_scales_to_it(quantized_input, monkeypatch):
+    """Where the model says so (output_scales_to_norm) and fp8_gemm finds the unscaled GEMM the faster (forced
+    here, the GEMM emulated on CPU), an FP8 layer returns its product without scales (ScaledOutput), whose value
+    is the layer's output; the RMSNorm after it applies the scales and gives what it gives the plain output."""
+    from nanovllm.kernels import fp8_gemm
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.quantization.base import ScaledOutput
+    torch.manual_seed(0)
+    layer = fp8_layer(CHANNEL, 64, 256)
+    x, residual = torch.randn(80, 256), torch.randn(80, 64)
+    if quantized_input:         # as SiLU-and-mul hands it to down_proj
+        x = layer.input_quantization().quantize(x)
+    norm = RMSNorm(64)
+    norm.weight.data = 1 + 0.1 * torch.randn(64)
+    plain = layer(x)
+    layer.output_scales_to_norm = True
+    assert torch.equal(layer(x), plain)             # the CPU path applies its scales: nothing is faster there
+    monkeypatch.setattr(fp8_gemm, "defers_output_scales", lambda *shape: True)
+    monkeypatch.setattr(fp8_gemm, "unscaled_matmul", lambda q, w, dtype: (q.float() @ w.float().t()).to(dtype))
+    deferred = layer(x)
+    assert isinstance(deferred, ScaledOutput) and deferred.shape == plain.shape
+    torch.testing.assert_close(deferred.materialize(), plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+    for got, expected in zip(norm(deferred, residual), norm(plain, residual), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    layer.output_scales_to_norm = False
+    assert torch.equal(layer(x), plain)
+
+
 def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
     """FP8 projections' producers write their input form; in the model's dtype nothing changes."""
     from transformers import Qwen3Config
@@ -302,3 +331,6 @@ def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
         assert all((p.output_quantization is not None) == wired for p in producers)
         assert model.model.norm.output_quantization is None                 # the LM head stays in bf16
         assert layer.self_attn.q_norm.output_quantization is None
+        # on one rank, o_proj and down_proj feed residual norms: they may leave their scales to them
+        assert layer.self_attn.o_proj.output_scales_to_norm and layer.mlp.down_proj.output_scales_to_norm
+        assert not (layer.self_attn.qkv_proj.output_scales_to_norm or layer.mlp.gate_up_proj.output_scales_to_norm)

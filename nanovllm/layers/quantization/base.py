@@ -34,6 +34,25 @@ class QuantizedActivations(NamedTuple):
     dtype: torch.dtype
 
 
+class ScaledOutput(NamedTuple):
+    """A quantized GEMM's output whose per-row and per-column scales are still to be applied: the value is
+    raw[i, j] * row_scales[i] * col_scales[j] (raw in the model's dtype, the scales float32). A layer returns it
+    only where the model said its output goes straight into an RMSNorm that adds the residual
+    (`layer.output_scales_to_norm`), which applies them in its own pass (layers/layernorm.py): the GEMM itself then
+    runs unscaled, which cuBLASLt does faster at decode sizes (FP8: kernels/fp8_gemm.py)."""
+    raw: torch.Tensor
+    row_scales: torch.Tensor
+    col_scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.raw.shape
+
+    def materialize(self) -> torch.Tensor:
+        """The value, in the model's dtype."""
+        return (self.raw.float() * self.row_scales[:, None] * self.col_scales[None, :]).to(self.raw.dtype)
+
+
 class InputQuantization:
     """How a scheme's layers want their input, for the module whose output a layer alone reads: that module
     calls the fused variant of its pass where one runs (None elsewhere), or quantizes its plain output."""
@@ -46,9 +65,11 @@ class InputQuantization:
         """x [M, K] in the model's dtype as the layer would quantize it."""
         raise NotImplementedError
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         """RMSNorm (of x + residual) written quantized, as RMSNorm.forward returns it (with the sum as the
-        residual when given one), or None where no fused pass runs (then the plain output is quantized)."""
+        residual when given one), or None where no fused pass runs (then the plain output is quantized).
+        scales: x is a ScaledOutput's raw values, these its (row, column) scales."""
         return None
 
     def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivations | None:

@@ -35,7 +35,7 @@ from torch import nn
 from nanovllm.kernels import fp8_activations, fp8_gemm
 from nanovllm.layers.quantization import fp8_checkpoints
 from nanovllm.layers.quantization.base import (InputQuantization, QuantizationMethod, QuantizedActivations,
-                                               moe_kernel_token_counts, stacked_expert_weights)
+                                               ScaledOutput, moe_kernel_token_counts, stacked_expert_weights)
 from nanovllm.layers.quantization.fp8_checkpoints import BLOCK
 
 FP8 = torch.float8_e4m3fn
@@ -140,10 +140,11 @@ class Fp8Input(InputQuantization):
         quantize = fp8_gemm.quantize_activations if x.is_cuda else quantize_activations
         return QuantizedActivations(*quantize(x, self.group_size), x.dtype)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         if not (x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype):
             return None
-        q, scale, *summed = fp8_activations.rms_norm_quant(x, weight, eps, residual, self.group_size)
+        q, scale, *summed = fp8_activations.rms_norm_quant(x, weight, eps, residual, self.group_size, scales)
         out = QuantizedActivations(q, scale, x.dtype)
         return (out, *summed) if summed else out
 
@@ -249,6 +250,10 @@ class Fp8Method(QuantizationMethod):
         """x @ W^T (+ bias, added in x's dtype after the GEMM); x in the model's dtype, or already quantized."""
         scale = getattr(layer, self.scale_name)
         block_scaled = self.scheme == "block"
+        if bias is None and not block_scaled and layer.output_scales_to_norm:
+            deferred = self._unscaled(layer.weight, scale, x)
+            if deferred is not None:
+                return deferred
         if isinstance(x, QuantizedActivations) and x.values.is_cuda:
             y = fp8_gemm.fp8_matmul(x.values, x.scales, layer.weight, scale, block_scaled, x.dtype)
         elif not isinstance(x, QuantizedActivations) and x.is_cuda:
@@ -256,6 +261,20 @@ class Fp8Method(QuantizationMethod):
         else:
             y = fp8_linear_torch(x, layer.weight, scale, self.scheme)
         return y if bias is None else y + bias
+
+    @staticmethod
+    def _unscaled(weight: torch.Tensor, scale: torch.Tensor,
+                  x: torch.Tensor | QuantizedActivations) -> ScaledOutput | None:
+        """The GEMM without its scales, for a consumer that applies them (ScaledOutput), where that is faster
+        (fp8_gemm.defers_output_scales); else None."""
+        values = x.values if isinstance(x, QuantizedActivations) else x
+        dtype = x.dtype
+        if values.dim() != 2 or not fp8_gemm.defers_output_scales(values.shape[0], weight.shape[0], values.shape[1],
+                                                                  dtype, values.device):
+            return None
+        if not isinstance(x, QuantizedActivations):
+            x = Fp8Input(None).quantize(x)
+        return ScaledOutput(fp8_gemm.unscaled_matmul(x.values, weight, dtype), x.scales, scale)
 
     def input_quantization(self, layer: nn.Module) -> Fp8Input:
         return Fp8Input(BLOCK if self.scheme == "block" else None)
