@@ -283,8 +283,9 @@ def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: to
 
 
 @lru_cache(maxsize=None)
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    # made eagerly: the warm-up's prefills of config_token_counts() reach every deferring GEMM before capture
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """unscaled_matmul's scales (1.0), one per device, made before any CUDA graph is captured (the layers that
+    may defer their scales ask for it once their weights are loaded)."""
     assert not torch.cuda.is_current_stream_capturing(), "the unit scale is made outside CUDA graph capture"
     return torch.ones((), dtype=torch.float32, device=device)
 
@@ -293,7 +294,7 @@ def unscaled_matmul(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtyp
     """q e4m3 [M, K] @ weight e4m3 [N, K]^T with neither operand's scales applied: [M, N] in out_dtype (the
     caller applies row and column scales later: layers.quantization.ScaledOutput). Accumulates as fp8_matmul's
     _scaled_mm path does."""
-    one = _unit_scale(q.device)
+    one = unit_scale(q.device)
     return torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=out_dtype,
                             use_fast_accum=SCALED_MM_FAST_ACCUM)
 

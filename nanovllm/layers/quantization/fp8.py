@@ -239,6 +239,8 @@ class Fp8Method(QuantizationMethod):
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Online quantization: the loaded weight (model dtype) -> e4m3 values and scales, once."""
+        if layer.output_scales_to_norm and layer.weight.is_cuda:
+            fp8_gemm.unit_scale(layer.weight.device)        # before any CUDA graph is captured
         if not self.online or layer.weight.dtype == FP8:
             return
         q, scale = quantize_weight(layer.weight.data, self.scheme)
