@@ -4,8 +4,10 @@ cuBLAS (F.linear) on one CUDA GPU, at Qwen3-8B's projection shapes, random weigh
     PYTHONPATH=. python benchmarks/bench_fp8_gemm.py [--tokens 1,16,256,4096,16384] [--json] [--sweep]
 
 Paths: `bf16` F.linear; `triton-channel` / `scaled-mm` per-channel weights through our kernel or
-torch._scaled_mm (row-wise scales); `triton-block` 128x128 block weights through our kernel; `chosen` what
-fp8_linear picks for per-channel weights at that M. Each time is one call (quantization included) in a CUDA
+torch._scaled_mm (row-wise scales); `unscaled` the same quantization, then fp8_gemm.unscaled_matmul (per-tensor
+unit scales: what o_proj and down_proj run at 65-512 rows, their scales left to the norm after them);
+`triton-block` 128x128 block weights through our kernel; `chosen` what fp8_linear picks for per-channel weights
+at that M. Each time is one call (quantization included) in a CUDA
 graph for M <= 256, eager above, over a few weight sets in turn (so that no call finds the last one's
 weights in L2).
 
@@ -34,7 +36,7 @@ from nanovllm.layers.quantization.fp8 import quantize_weight  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # (N, K)
 TOKENS = (1, 16, 256, 4096, 16384)
-PATHS = ("bf16", "triton-channel", "scaled-mm", "triton-block", "chosen")
+PATHS = ("bf16", "triton-channel", "scaled-mm", "unscaled", "triton-block", "chosen")
 SWEEP = [GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 32, 128, 4, 6), GemmConfig(16, 64, 128, 4, 4),
          GemmConfig(16, 64, 64, 4, 6), GemmConfig(16, 128, 128, 4, 3), GemmConfig(32, 64, 128, 4, 5),
          GemmConfig(64, 64, 128, 4, 4), GemmConfig(64, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
@@ -66,6 +68,8 @@ def call_for(path, x, weights, config=None):
         return lambda: fp8_gemm.fp8_gemm(*fp8_gemm.quantize_activations(x, group), q, s, x.dtype, block, config)
     if block:
         return lambda: fp8_gemm.fp8_linear(x, q, s, block_scaled=True)
+    if path == "unscaled":
+        return lambda: fp8_gemm.unscaled_matmul(fp8_gemm.quantize_activations(x, None)[0], q, x.dtype)
     use = {"triton-channel": False, "scaled-mm": True, "chosen": None}[path]
     return lambda: fp8_gemm.fp8_linear(x, q, s, block_scaled=False, use_scaled_mm=use)
 
@@ -107,7 +111,7 @@ def main() -> None:
                         except Exception as e:              # noqa: BLE001 - report and go on
                             print(f"  sweep {layer} M={m} {scheme} {config} failed: {type(e).__name__}: {str(e)[:100]}")
             for path in PATHS:
-                if path == "scaled-mm" and not scaled_mm:
+                if path in ("scaled-mm", "unscaled") and not scaled_mm:
                     continue
                 us = measure(path, n, k, m, sets)
                 fp8 = path != "bf16"

@@ -40,7 +40,7 @@ MIN_AMAX = 1e-12        # an all-zero row or group gets a tiny scale (its values
 GROUP = 128             # activation group (block scheme) = the weight block's K width
 SCALED_MM_MIN_TOKENS = 65   # fewer rows: our decode tiles (SKINNY_CONFIGS; cuBLASLt idles SMs at these shapes)
 # _scaled_mm's sums stay in the tensor cores' own accumulator over the whole K (no promotion to float32 every few
-# steps): 6-10% faster from 192 rows up on an H100, with a few times bf16's output rounding added (docs/benchmarks.md,
+# steps): 6-16% faster from 192 rows up on an H100, with a few times bf16's output rounding added (docs/benchmarks.md,
 # 2026-11-27); vLLM's CUTLASS FP8 GEMMs on Hopper accumulate the same way (FP8FastAccum schedules)
 SCALED_MM_FAST_ACCUM = True
 # a GEMM of SCALED_MM_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose output goes straight into a residual RMSNorm runs
