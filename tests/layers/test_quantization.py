@@ -334,3 +334,8 @@ def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
         # on one rank, o_proj and down_proj feed residual norms: they may leave their scales to them
         assert layer.self_attn.o_proj.output_scales_to_norm and layer.mlp.down_proj.output_scales_to_norm
         assert not (layer.self_attn.qkv_proj.output_scales_to_norm or layer.mlp.gate_up_proj.output_scales_to_norm)
+    # over two ranks each holds a partial sum, all-reduced in the model's dtype: every scale applied first
+    config.num_key_value_heads = 2
+    with building_with(Unreduced(0, 2)), building_with_quantization(CHANNEL):
+        layer = Qwen3ForCausalLM(config).model.layers[0]
+    assert not (layer.self_attn.o_proj.output_scales_to_norm or layer.mlp.down_proj.output_scales_to_norm)
