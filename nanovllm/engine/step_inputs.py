@@ -111,18 +111,27 @@ def prepare_segments(seqs: list[Sequence], starts: list[int], counts: list[int],
     return to_device(positions, device)
 
 
-def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int, device: torch.device,
+                   sampled: torch.Tensor | None = None, sampled_rows: dict[int, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative decoding's target step, shaped as a decode step of one row per token: each seq computes
     its last token and then its drafts, at positions num_tokens - 1 on (their K/V go to the slots
     reserve_lookahead gave it), and each row attends to its sequence's cached K/V up to its own position
     (a context length of its own over its sequence's block table). Every row's K/V is stored before any row
     attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it.
-    The host waits on every such step, so its columns travel as one copy (as prepare_decode's)."""
-    assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
+    A last token still PENDING (the step in flight samples it) is read on the device, as prepare_decode reads
+    it. The columns travel as one copy (as prepare_decode's)."""
     tokens = [t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)]
-    return _decode_rows(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts], block_size,
-                        device, tokens)
+    from_sampled = None         # each row's token's row in `sampled`, or -1: the host has it
+    if any(seq.last_token == PENDING for seq in seqs):
+        from_sampled = [sampled_rows[seq.seq_id] if i == 0 and seq.last_token == PENDING else -1
+                        for seq, d in zip(seqs, drafts) for i in range(len(d) + 1)]
+    input_ids, positions = _decode_rows(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts],
+                                        block_size, device, tokens, from_sampled)
+    if from_sampled is not None:
+        rows, input_ids = input_ids[len(tokens):], input_ids[:len(tokens)]
+        input_ids = torch.where(rows >= 0, sampled[rows.clamp(min=0)], input_ids)
+    return input_ids, positions
 
 
 def prepare_decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
@@ -134,14 +143,16 @@ def prepare_decode_rows(seqs: list[Sequence], starts: list[int], counts: list[in
 
 
 def _decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int, device: torch.device,
-                 tokens: list[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 tokens: list[int] | None = None, extra: list[int] | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Sets the decode-row context of seqs[i]'s counts[i] tokens at starts[i] on; returns (the tokens on the
-    device, if given, the positions), every column in one copy."""
+    device, if given, followed by `extra` (a column per row) if given; the positions), every column in one
+    copy."""
     rows, positions, slots, tables = segment_rows(seqs, starts, counts, block_size)
     num_rows, width = len(rows), tables.shape[1]
-    lead = 0 if tokens is None else num_rows
+    lead = 0 if tokens is None else num_rows * (1 if extra is None else 2)
     flat = np.empty(lead + 3 * num_rows + num_rows * width, dtype=np.int64)
-    flat[:lead] = tokens or []
+    flat[:lead] = (tokens or []) + (extra or [])
     flat[lead:lead + num_rows] = positions
     flat[lead + num_rows:lead + 2 * num_rows] = positions + 1          # context lengths
     flat[lead + 2 * num_rows:lead + 3 * num_rows] = slots
