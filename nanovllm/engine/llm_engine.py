@@ -227,7 +227,7 @@ class LLMEngine:
         return finished, -len(seqs)
 
     @staticmethod
-    def _verifies_past_pending(seqs) -> bool:
+    def _verifies_past_pending(seqs: list[Sequence]) -> bool:
         """Whether a verification of these sequences may start from tokens still on the device: greedy rows
         that nothing edits (their tokens are the argmax, whatever came before) and no grammar (whose masks
         need every token on the host)."""
