@@ -252,19 +252,12 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         finished = self._collect(previous, report=False)    # fills the tokens the drafts follow: some end there
         collected = [seq for seq in previous[0] if seq is not None]
+        live = [seq for seq in seqs if not seq.is_finished]     # (accept drops the rows of those that ended)
         token_ids = sampled.tolist()
-        live, live_drafts, live_tokens, row = [], [], [], 0
-        for seq, draft in zip(seqs, drafts):
-            rows, row = token_ids[row:row + len(draft) + 1], row + len(draft) + 1
-            if not seq.is_finished:     # one that ended on the token collected just now drops its rows
-                live.append(seq)
-                live_drafts.append(draft)
-                live_tokens.extend(rows)
         self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
-        ended = self.spec_decode.accept(live, live_drafts, live_tokens, count_accepted(live_tokens, live_drafts),
-                                        None)
+        ended = self.spec_decode.accept(seqs, drafts, token_ids, count_accepted(token_ids, drafts), None)
         self._ended_seq_ids.extend(seq.seq_id for seq in ended)
-        self.updates = completion_updates(list(dict.fromkeys(collected + live)))
+        self.updates = completion_updates(list(dict.fromkeys(collected + seqs)))
         emitted = len(collected) + len(live) + self.spec_decode.num_accepted_tokens - accepted_before
         self.spec_decode.policy.record(len(seqs), True, emitted, perf_counter() - start)
         return finished + ended, -len(seqs)

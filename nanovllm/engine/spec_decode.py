@@ -155,11 +155,14 @@ class SpeculativeDecoding:
     def accept(self, seqs: list[Sequence], drafts: list[list[int]], token_ids: list[int], num_accepted: list[int],
                logprobs) -> list[Sequence]:
         """A verification step's results (every row's token, each sequence's accepted count, the rows'
-        log-probs or None): append what each sequence gained, end what is done; returns the finished."""
+        log-probs or None): append what each sequence gained, end what is done; returns the finished. A
+        sequence that ended before (on the token its first row read from the step in flight) keeps nothing."""
         finished = []
         row = 0
         for seq, draft, accepted in zip(seqs, drafts, num_accepted):
             first, row = row, row + len(draft) + 1
+            if seq.is_finished:
+                continue
             if draft:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(draft)

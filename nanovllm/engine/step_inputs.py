@@ -76,10 +76,15 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
     if len(sampled) == n and sampled_rows == list(range(n)):
         input_ids = sampled             # the last step's batch again, every token pending: as sampled
     elif max(sampled_rows) >= 0:
-        input_ids = torch.where(columns[4] >= 0, sampled[columns[4].clamp(min=0)], columns[0])
+        input_ids = _read_pending(columns[0], columns[4], sampled)
     else:
         input_ids = columns[0]
     return input_ids, columns[1]
+
+
+def _read_pending(tokens: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """tokens, where rows[i] >= 0 replaced by sampled[rows[i]]: the PENDING tokens the step before samples."""
+    return torch.where(rows >= 0, sampled[rows.clamp(min=0)], tokens)
 
 
 def segment_rows(seqs: list[Sequence], starts: list[int] | np.ndarray, counts: list[int] | np.ndarray,
@@ -129,8 +134,7 @@ def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: in
     input_ids, positions = _decode_rows(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts],
                                         block_size, device, tokens, from_sampled)
     if from_sampled is not None:
-        rows, input_ids = input_ids[len(tokens):], input_ids[:len(tokens)]
-        input_ids = torch.where(rows >= 0, sampled[rows.clamp(min=0)], input_ids)
+        input_ids = _read_pending(input_ids[:len(tokens)], input_ids[len(tokens):], sampled)
     return input_ids, positions
 
 
