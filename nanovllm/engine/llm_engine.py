@@ -12,7 +12,6 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.step_outputs import completion_updates, record_logprobs, record_prompt_logprobs
 from nanovllm.engine.request_check import RequestLimits, checked_request
-from nanovllm.engine.sampling_inputs import argmax_suffices
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode import SpeculativeDecoding, count_accepted
@@ -155,8 +154,6 @@ class LLMEngine:
         speculate = self._drained or self.spec_decode.policy.speculate(len(running))
         self._drained = False
         if speculate and self._in_flight is not None and self.spec_decode.may_propose(running):
-            if self.spec_decode.drafts_past_pending and self._verifies_past_pending(running):
-                return self._verify_behind_in_flight()
             # drafts follow every token so far: collect the step in flight first
             previous, self._in_flight = self._in_flight, None
             self.updates = []
@@ -226,48 +223,12 @@ class LLMEngine:
         self.updates = completion_updates(seqs)
         return finished, -len(seqs)
 
-    @staticmethod
-    def _verifies_past_pending(seqs: list[Sequence]) -> bool:
-        """Whether a verification of these sequences may start from tokens still on the device: greedy rows
-        that nothing edits (their tokens are the argmax, whatever came before) and no grammar (whose masks
-        need every token on the host)."""
-        return argmax_suffices(seqs) and all(seq.grammar is None for seq in seqs)
-
-    def _verify_behind_in_flight(self) -> tuple[list[Sequence], int]:
-        """Speculative decoding with a step in flight and drafts likely (n-gram lookup): the next step verifies
-        drafts that follow the tokens that step is sampling (each row reads its first token on the device), so
-        that it is prepared while the device still runs that step; both are collected at once. Where the
-        scheduled step cannot (a prefill; rows _verifies_past_pending refuses), it is launched beside the one in
-        flight without drafts."""
-        start = perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
-        drafts = None
-        if seqs and not is_prefill and self._verifies_past_pending(seqs):
-            drafts = self.spec_decode.propose(seqs)
-        if not drafts or not any(drafts):
-            return self._pipelined_step((seqs, is_prefill))
-        accepted_before = self.spec_decode.num_accepted_tokens
-        sampled, _ = self._call("verify", seqs, drafts, self._ended_seq_ids)
-        self._ended_seq_ids = []
-        previous, self._in_flight = self._in_flight, None
-        finished = self._collect(previous, report=False)    # fills the tokens the drafts follow: some end there
-        collected = [seq for seq in previous[0] if seq is not None]
-        live = [seq for seq in seqs if not seq.is_finished]     # (accept drops the rows of those that ended)
-        token_ids = sampled.tolist()
-        self.workers.check()       # an NCCL step broken off by a worker's death returns garbage
-        ended = self.spec_decode.accept(seqs, drafts, token_ids, count_accepted(token_ids, drafts), None)
-        self._ended_seq_ids.extend(seq.seq_id for seq in ended)
-        self.updates = completion_updates(list(dict.fromkeys(collected + seqs)))
-        emitted = len(collected) + len(live) + self.spec_decode.num_accepted_tokens - accepted_before
-        self.spec_decode.policy.record(len(seqs), True, emitted, perf_counter() - start)
-        return finished + ended, -len(seqs)
-
     def _sample_deferred(self, seqs: list[Sequence]):
         """Sample the launched step with its structured outputs' masks (rank 0 alone needs them)."""
         return self._call("sample_deferred", rank0_only=self.structured_outputs.bitmask(seqs))
 
-    def _collect(self, previous, report: bool = True) -> list[Sequence]:
-        """The tokens of the step launched before: log-probs, finishes, and (report) the updates they make."""
+    def _collect(self, previous) -> list[Sequence]:
+        """The tokens of the step launched before: log-probs, finishes, and the updates they make."""
         awaiting, sampled, prompt_seqs = previous
         token_ids = sampled.tolist()
         logprobs = sampled.logprobs()
@@ -278,8 +239,7 @@ class LLMEngine:
             record_prompt_logprobs(prompt_seqs, *sampled.prompt_logprobs())
         finished = self.scheduler.postprocess(awaiting, token_ids)
         self._ended_seq_ids.extend(seq.seq_id for seq in finished)
-        if report:
-            self.updates = completion_updates(awaiting)
+        self.updates = completion_updates(awaiting)
         return finished
 
     @staticmethod

@@ -235,12 +235,10 @@ class ModelRunner:
         (layers/rejection_sampler.py). Rank 0 gets (SampledTokens of every row, num_accepted [seqs] on the
         device, or None where every row is greedy and nothing edits its logits: its tokens are the argmax and
         the engine counts the drafts that equal them, spec_decode.count_accepted): seq i gains the tokens
-        of its rows 0..num_accepted[i]. A sequence's last token may still be pending (the step before samples
-        it: its row reads it on the device). Nothing is left pending: the engine collects this step before it
-        schedules the next. token_bitmask: as sample_deferred's, over the
+        of its rows 0..num_accepted[i]. Nothing is left pending: the
+        engine collects this step before it schedules the next. token_bitmask: as sample_deferred's, over the
         verification's rows (StructuredOutputs.verify_bitmask)."""
-        input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device, self.sampled,
-                                                          self.sampled_rows)
+        input_ids, positions = step_inputs.prepare_verify(seqs, drafts, self.block_size, self.device)
         logits = self.run_model(input_ids, positions, False, len(input_ids))   # a decode graph, if one holds it
         context = get_context()
         reset_context()

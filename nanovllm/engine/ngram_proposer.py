@@ -83,15 +83,10 @@ class NgramProposer:
         return any(len(ngram_draft(self._array(seq), 1, self.min_n, self.max_n)) for seq in seqs)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
-        """Per sequence, at most min(k, max_drafts[i]) draft tokens (none where max_drafts[i] <= 0). A sequence
-        whose last token is a placeholder (the step in flight samples it) gets the tokens after the one its
-        match predicts there: they can hold only if that is the token sampled (the target verifies them
-        whatever they are)."""
+        """Per sequence, at most min(k, max_drafts[i]) draft tokens (none where max_drafts[i] <= 0)."""
         drafts = []
         for seq, most in zip(seqs, max_drafts):
-            pending = seq.num_pending_tokens
-            assert pending <= 1, "drafts follow a sequence's last token, or the one placeholder before it"
+            assert not seq.num_pending_tokens, "drafts follow a sequence's last token: it must be known"
             k = min(self.k, most)
-            drafts.append(ngram_draft(self._array(seq), k + pending, self.min_n, self.max_n)[pending:].tolist()
-                          if k > 0 else [])
+            drafts.append(ngram_draft(self._array(seq), k, self.min_n, self.max_n).tolist() if k > 0 else [])
         return drafts

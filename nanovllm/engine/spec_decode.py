@@ -18,12 +18,8 @@
 A verification is collected before the next step is scheduled (the accepted counts decide where the next
 step writes, and the next drafts come from the tokens just accepted). A step without drafts is left in flight,
 and while n-gram lookup finds nothing to draft from the tokens known (one step stale), the next step is
-launched beside it, as plain decoding pipelines its steps. Where a match appears, greedy rows that nothing
-edits verify at once drafts that follow the token the step in flight is sampling (its row reads it on the
-device; the drafts follow the token the match predicts there, and hold only if that is the one sampled), so
-that the verification is prepared while the device runs that step, and both are collected together; other
-rows (sampled, penalized, constrained: their inputs need every token on the host) collect the step in
-flight first and draft from every token. Whether it speculates is SpeculationPolicy's
+launched beside it, as plain decoding pipelines its steps; where a match appears, the step in flight is
+collected first and the next one drafted from every token. Whether it speculates is SpeculationPolicy's
 call, by measurement: per decode batch size, the tokens a second each mode has given, so that speculation
 switches itself off where it does not pay (large batches, text that n-gram lookup cannot predict) and
 back on where it does. Outputs do not depend on the choice: greedy tokens are the same either way, and a
@@ -141,12 +137,6 @@ class SpeculativeDecoding:
                 budget -= keep
         return drafts
 
-    @property
-    def drafts_past_pending(self) -> bool:
-        """Whether drafts can follow a token the step in flight is still sampling: n-gram lookup guesses it
-        (a draft model or head computes from it)."""
-        return self.proposer is not None
-
     def may_propose(self, seqs: list[Sequence]) -> bool:
         """Whether drafts may follow the step in flight: n-gram lookup finds a match in some sequence's known
         tokens (a draft model always drafts)."""
@@ -155,14 +145,11 @@ class SpeculativeDecoding:
     def accept(self, seqs: list[Sequence], drafts: list[list[int]], token_ids: list[int], num_accepted: list[int],
                logprobs) -> list[Sequence]:
         """A verification step's results (every row's token, each sequence's accepted count, the rows'
-        log-probs or None): append what each sequence gained, end what is done; returns the finished. A
-        sequence that ended before (on the token its first row read from the step in flight) keeps nothing."""
+        log-probs or None): append what each sequence gained, end what is done; returns the finished."""
         finished = []
         row = 0
         for seq, draft, accepted in zip(seqs, drafts, num_accepted):
             first, row = row, row + len(draft) + 1
-            if seq.is_finished:
-                continue
             if draft:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(draft)

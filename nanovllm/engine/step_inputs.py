@@ -76,15 +76,10 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
     if len(sampled) == n and sampled_rows == list(range(n)):
         input_ids = sampled             # the last step's batch again, every token pending: as sampled
     elif max(sampled_rows) >= 0:
-        input_ids = _read_pending(columns[0], columns[4], sampled)
+        input_ids = torch.where(columns[4] >= 0, sampled[columns[4].clamp(min=0)], columns[0])
     else:
         input_ids = columns[0]
     return input_ids, columns[1]
-
-
-def _read_pending(tokens: torch.Tensor, rows: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """tokens, where rows[i] >= 0 replaced by sampled[rows[i]]: the PENDING tokens the step before samples."""
-    return torch.where(rows >= 0, sampled[rows.clamp(min=0)], tokens)
 
 
 def segment_rows(seqs: list[Sequence], starts: list[int] | np.ndarray, counts: list[int] | np.ndarray,
@@ -116,26 +111,18 @@ def prepare_segments(seqs: list[Sequence], starts: list[int], counts: list[int],
     return to_device(positions, device)
 
 
-def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int, device: torch.device,
-                   sampled: torch.Tensor | None = None, sampled_rows: dict[int, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative decoding's target step, shaped as a decode step of one row per token: each seq computes
     its last token and then its drafts, at positions num_tokens - 1 on (their K/V go to the slots
     reserve_lookahead gave it), and each row attends to its sequence's cached K/V up to its own position
     (a context length of its own over its sequence's block table). Every row's K/V is stored before any row
     attends, so a draft's row sees the rows before it; the decode kernels and the decode graphs serve it.
-    A last token still PENDING (the step in flight samples it) is read on the device, as prepare_decode reads
-    it. The columns travel as one copy (as prepare_decode's)."""
+    The host waits on every such step, so its columns travel as one copy (as prepare_decode's)."""
+    assert all(seq.last_token != PENDING for seq in seqs), "a verification step needs every token known"
     tokens = [t for seq, d in zip(seqs, drafts) for t in (seq.last_token, *d)]
-    from_sampled = None         # each row's token's row in `sampled`, or -1: the host has it
-    if any(seq.last_token == PENDING for seq in seqs):
-        from_sampled = [sampled_rows[seq.seq_id] if i == 0 and seq.last_token == PENDING else -1
-                        for seq, d in zip(seqs, drafts) for i in range(len(d) + 1)]
-    input_ids, positions = _decode_rows(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts],
-                                        block_size, device, tokens, from_sampled)
-    if from_sampled is not None:
-        input_ids = _read_pending(input_ids[:len(tokens)], input_ids[len(tokens):], sampled)
-    return input_ids, positions
+    return _decode_rows(seqs, [seq.num_tokens - 1 for seq in seqs], [len(d) + 1 for d in drafts], block_size,
+                        device, tokens)
 
 
 def prepare_decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
@@ -147,16 +134,14 @@ def prepare_decode_rows(seqs: list[Sequence], starts: list[int], counts: list[in
 
 
 def _decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int, device: torch.device,
-                 tokens: list[int] | None = None, extra: list[int] | None = None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 tokens: list[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Sets the decode-row context of seqs[i]'s counts[i] tokens at starts[i] on; returns (the tokens on the
-    device, if given, followed by `extra` (a column per row) if given; the positions), every column in one
-    copy."""
+    device, if given, the positions), every column in one copy."""
     rows, positions, slots, tables = segment_rows(seqs, starts, counts, block_size)
     num_rows, width = len(rows), tables.shape[1]
-    lead = 0 if tokens is None else num_rows * (1 if extra is None else 2)
+    lead = 0 if tokens is None else num_rows
     flat = np.empty(lead + 3 * num_rows + num_rows * width, dtype=np.int64)
-    flat[:lead] = (tokens or []) + (extra or [])
+    flat[:lead] = tokens or []
     flat[lead:lead + num_rows] = positions
     flat[lead + num_rows:lead + 2 * num_rows] = positions + 1          # context lengths
     flat[lead + 2 * num_rows:lead + 3 * num_rows] = slots
