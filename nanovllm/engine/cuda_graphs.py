@@ -60,9 +60,11 @@ class CudaGraphs:
             slot_mapping=torch.full((rows,), -1, dtype=torch.int32, device=device),
             context_lens=torch.ones(self.decode_sizes[-1], dtype=torch.int32, device=device),
             block_tables=torch.zeros(self.decode_sizes[-1], max_num_blocks, dtype=torch.int32, device=device),
+            decode_order=torch.arange(self.decode_sizes[-1], dtype=torch.int32, device=device),
             cu_seqlens=torch.zeros(2, dtype=torch.int32, device=device),
             outputs=torch.zeros(rows, hidden_size, dtype=dtype, device=device),
         )
+        self.rows = torch.arange(self.decode_sizes[-1], dtype=torch.int32, device=device)
         self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -104,7 +106,7 @@ class CudaGraphs:
             self.prefill_graphs[n] = self._capture(n)
         for bs in reversed(self.decode_sizes):
             set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
-                        block_tables=v["block_tables"][:bs])
+                        block_tables=v["block_tables"][:bs], decode_order=v["decode_order"][:bs])
             # a step of few sequences is a chain of short kernels: each starts while the one before ends
             with dependent_launches(bs <= DEPENDENT_LAUNCH_ROWS):
                 self.decode_graphs[bs] = self._capture(bs, with_logits=bs <= self.logits_rows)
@@ -132,6 +134,10 @@ class CudaGraphs:
         v["context_lens"][:bs] = context.context_lens
         v["block_tables"].zero_()
         v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
+        # a permutation of the bucket's rows: the step's order, then the padding rows
+        v["decode_order"].copy_(self.rows)
+        if context.decode_order is not None:
+            v["decode_order"][:bs] = context.decode_order
         bucket = next(b for b in self.decode_sizes if b >= bs)
         self.decode_graphs[bucket].replay()
         return v["outputs"][:bs], (v["logits"][:bs] if bucket <= self.logits_rows else None)

@@ -1,6 +1,6 @@
 """Triton `flash_attn_with_kvcache`: paged decode attention with split-KV (flash-decoding).
 
-Grid (batch, kv heads, splits). A program takes one sequence, one kv head and one contiguous
+Grid (batch x kv heads, splits). A program takes one sequence, one kv head and one contiguous
 chunk of that sequence's context (the context length, read on the device, is cut into
 `num_splits` chunks of whole key tiles, or of whole pages once a chunk spans one). It computes all
 q heads that share the kv head at once: the group of q heads, padded to 16 rows, is one
@@ -48,19 +48,26 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end, o
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_btb"])     # an eager step's table may be any width
+@triton.jit(do_not_specialize=["num_splits", "stride_btb", "batch"])     # an eager step's table may be any width
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, order_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-    num_heads, qk_scale, num_splits,
+    batch, num_kv_heads, num_heads, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    pid = tl.program_id(0)
+    if ORDERED:
+        # the sequences' kv heads in `order` (longest first): the SMs start on the longest, so the short ones
+        # fill the tail instead of a long one running alone at the end
+        b = tl.load(order_ptr + pid // num_kv_heads)
+        kv_head = pid % num_kv_heads
+    else:
+        b = pid % batch
+        kv_head = pid // batch
+    split = tl.program_id(1)
 
     seq_len = tl.load(seqlens_ptr + b)
     # chunk: whole tiles, so every tile but the sequence's last needs no mask; whole pages once it spans
@@ -199,8 +206,10 @@ def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype:
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, fp16_dots=None,
-                     use_tma=False, programs_per_sm=None):
+                     use_tma=False, programs_per_sm=None, order=None):
     """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics).
+    order: int32 [B], a permutation of the batch, the sequences taken in that order (longest first: see
+    _decode_kernel); None: as they come.
     use_tma: True or None read K/V through TMA descriptors (kv_tile.kv_descriptors). Off by default:
     on an H100 decode gains nothing from it (bf16 3,012 vs 3,003 GB/s at 256 x 1,024; an fp8 cache 2%
     slower), because the loop is bound by the loads' bytes (bf16) or by widening the tiles (fp8)."""
@@ -232,17 +241,18 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     else:
         part_m = part_l = part_acc = out      # never touched
     descs = kv_descriptors(k_cache, v_cache, True, block_n, use_tma)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table, part_m, part_l, part_acc,
+    _decode_kernel[(batch * num_kv_heads, num_splits)](
+        q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table,
+        order if order is not None else cache_seqlens, part_m, part_l, part_acc,
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        num_heads, scale * _LOG2E, num_splits,
+        batch, num_kv_heads, num_heads, scale * _LOG2E, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device))
+        ORDERED=order is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device))
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
@@ -253,9 +263,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                            softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
+                            softmax_scale: float | None = None, causal: bool = False,
+                            order: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode: q [B, 1, Hq, D] against each sequence's first cache_seqlens[b] cached tokens.
 
-    `causal` changes nothing: the single new query sits at the end and sees every cached key.
+    `causal` changes nothing: the single new query sits at the end and sees every cached key. `order`
+    (ours, not flash-attn's): the order the sequences are taken in (decode_attention's).
     """
-    return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale)
+    return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, order=order)

@@ -11,7 +11,8 @@ from nanovllm.utils.context import get_context
 def attention_ops(backend: str) -> SimpleNamespace:
     """The three flash-attn-shaped functions of one backend: 'flash_attn', 'triton' or 'torch'; and
     `fused_rope_store`: whether its store is our Triton one, which the rotary kernel can do in passing;
-    `new_kv_beside_pages`: whether its paged prefill also takes this step's K/V packed (k_new, v_new)."""
+    `new_kv_beside_pages`: whether its paged prefill also takes this step's K/V packed (k_new, v_new);
+    `decode_order`: whether its paged decode takes the order of the rows (the context's decode_order)."""
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -24,7 +25,7 @@ def attention_ops(backend: str) -> SimpleNamespace:
         raise ValueError(f"unknown attention backend {backend!r}")
     return SimpleNamespace(store_kvcache=store_kvcache, flash_attn_varlen_func=flash_attn_varlen_func,
                            flash_attn_with_kvcache=flash_attn_with_kvcache, fused_rope_store=backend != "torch",
-                           new_kv_beside_pages=backend == "triton")
+                           new_kv_beside_pages=backend == "triton", decode_order=backend == "triton")
 
 
 class Attention(nn.Module):
@@ -76,6 +77,8 @@ class Attention(nn.Module):
                                               max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
                                               softmax_scale=self.scale, causal=True,
                                               block_table=context.block_tables, **new_kv)
+        order = {"order": context.decode_order} if ops.decode_order else {}
         o = ops.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
-                                        block_table=context.block_tables, softmax_scale=self.scale, causal=True)
+                                        block_table=context.block_tables, softmax_scale=self.scale, causal=True,
+                                        **order)
         return o.squeeze(1)

@@ -15,6 +15,8 @@ class Context:
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    # decode: the rows longest context first (int32, a permutation), the order decode attention takes them in
+    decode_order: torch.Tensor | None = None
 
 
 _CONTEXT = Context()
@@ -25,10 +27,10 @@ def get_context() -> Context:
 
 
 def set_context(is_prefill: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                slot_mapping=None, context_lens=None, block_tables=None) -> None:
+                slot_mapping=None, context_lens=None, block_tables=None, decode_order=None) -> None:
     global _CONTEXT
     _CONTEXT = Context(is_prefill, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       slot_mapping, context_lens, block_tables)
+                       slot_mapping, context_lens, block_tables, decode_order)
 
 
 def reset_context() -> None:

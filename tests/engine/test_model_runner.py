@@ -65,6 +65,19 @@ def test_decode_computes_each_last_token_in_its_next_slot(llm):
     assert not ctx.is_prefill and ctx.context_lens.tolist() == [17, 5]
     assert ctx.slot_mapping.tolist() == [7 * BS + 0, 2 * BS + 4]
     assert ctx.block_tables.tolist() == [[3, 7], [2, -1]]
+    assert ctx.decode_order.tolist() == [0, 1]      # attention takes the longest context first
+    reset_context()
+
+
+def test_decode_attention_takes_the_rows_longest_context_first(llm):
+    """A permutation of the rows, by context length, ties in row order: no long sequence is left to run alone
+    at the end of the attention kernel."""
+    runner = llm.model_runner
+    seqs = [seq(range(n), [i], num_cached=n - 1) for i, n in enumerate((3, 12, 7, 12, 1))]
+    runner.prepare_decode(seqs)
+    ctx = get_context()
+    assert ctx.context_lens.tolist() == [3, 12, 7, 12, 1]
+    assert ctx.decode_order.tolist() == [1, 3, 2, 0, 4]
     reset_context()
 
 
@@ -81,6 +94,7 @@ def test_verification_is_a_decode_step_of_one_row_per_token(llm):
     assert not ctx.is_prefill and ctx.context_lens.tolist() == [15, 16, 17, 5]
     assert ctx.slot_mapping.tolist() == [3 * BS + 14, 3 * BS + 15, 7 * BS + 0, 2 * BS + 4]
     assert ctx.block_tables.tolist() == [[3, 7], [3, 7], [3, 7], [2, -1]]
+    assert ctx.decode_order.tolist() == [2, 1, 0, 3]
     reset_context()
 
 

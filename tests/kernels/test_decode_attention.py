@@ -76,6 +76,19 @@ def test_chunks_of_whole_pages(num_splits):
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_an_order_of_the_rows_changes_no_output(num_splits):
+    """Sequences taken in a given order (longest first, as the engine sends them) or as they come write the
+    very same rows: the order moves programs, not results."""
+    lens = [7, 200, 1, 64, 130, 33]
+    q, k, v, seqlens, table = _setup(lens, 8, 2, 64, 16, torch.float32, DEVICE)
+    order = torch.argsort(seqlens, descending=True, stable=True).to(torch.int32)
+    ordered = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=16, order=order)
+    as_they_come = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=16)
+    assert torch.equal(ordered, as_they_come)
+    _check(ordered, _ref(q, k, v, seqlens, table), 1e-5)
+
+
 def test_fp16_scale_and_zero_length():
     """float16, an explicit softmax_scale, head_dim 96 padded, and an empty context giving zeros."""
     lens = [0, 40, 3]
