@@ -48,7 +48,10 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end, o
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_btb", "batch"])     # an eager step's table may be any width
+# an eager step's table may be any width, and its metadata columns sit at any offset of the step's one copy
+# (per-program scalar loads: their alignment buys nothing, and would be one more variant to warm)
+@triton.jit(do_not_specialize=["num_splits", "stride_btb", "batch"],
+            do_not_specialize_on_alignment=["seqlens_ptr", "bt_ptr", "order_ptr"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, order_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
