@@ -48,11 +48,12 @@ def ms(fn, graph=False):
 def decode_shapes(sweep: bool):
     """(name, context lengths, block-table width in pages, pages scattered at random): the goal shapes,
     and with --sweep two more drawn like bench.py's workloads (max_model_len 16,384: 64 pages a row; pages
-    handed out in order, as a fresh engine does), longest first as the engine orders a decode batch."""
+    handed out in order, as a fresh engine does). Every shape runs as the engine runs a decode step: the
+    kernel takes the sequences longest first (its `order`)."""
     shapes = [("batch 256 x ctx 1024", [1024] * 256, 4, True), ("batch 8 x ctx 8192", [8192] * 8, 32, True)]
     if sweep:
         g = torch.Generator().manual_seed(0)
-        standard = sorted(torch.randint(100, 2049, (256,), generator=g).tolist(), reverse=True)
+        standard = torch.randint(100, 2049, (256,), generator=g).tolist()
         shapes += [("standard-like 256 x U[100, 2048]", standard, 64, False),
                    ("long-context-like 16 x 12,256", [12256] * 16, 64, False)]
     return shapes
@@ -78,21 +79,22 @@ def decode_inputs(lens, width, scatter, cache_dtype=DTYPE):
 
 def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
     q, k, v, seqlens, table = decode_inputs(lens, width, scatter, cache_dtype)
+    order = torch.argsort(seqlens, descending=True, stable=True).to(torch.int32)    # the engine's decode_order
     batch, ctx = len(lens), max(lens)
     kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * k.element_size()
     default = _default_config(HEAD_DIM, BLOCK_SIZE, q.device, cache_dtype, batch * KV_HEADS)
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device),
                                programs_per_sm=default["programs_per_sm"])
     if sweep:
-        # decode_attention's keyword arguments; {}: the defaults
+        # decode_attention's keyword arguments; {}: the defaults (order=None: the sequences as they come)
         tiles = [dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=4, num_stages=3),
                  dict(block_n=64, num_warps=2, num_stages=4), dict(block_n=64, num_warps=1, num_stages=3),
                  dict(block_n=32, num_warps=1, num_stages=3)]
-        configs = [{}, dict(use_tma=True)] + [dict(tile, programs_per_sm=per_sm) for tile in tiles for per_sm in (4, 8, 16)]
+        configs = [{}, dict(order=None), dict(use_tma=True)] + [dict(tile, programs_per_sm=per_sm) for tile in tiles for per_sm in (4, 8, 16)]
         configs += [dict(num_splits=s) for s in (1, 2, 4, 5, 8, 9, 16, 17, 32) if s * 128 <= ctx and (s <= 2 or batch < 64)]
-        expected = decode_attention(q, k, v, seqlens, table).float()
+        expected = decode_attention(q, k, v, seqlens, table, order=order).float()
         for config in configs:
-            fn = lambda: decode_attention(q, k, v, seqlens, table, **config)
+            fn = lambda: decode_attention(q, k, v, seqlens, table, **{"order": order, **config})
             used = config.get("num_splits") or choose_num_splits(
                 batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device),
                 programs_per_sm=config.get("programs_per_sm", default["programs_per_sm"]))
@@ -103,7 +105,7 @@ def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
                       f"{t * 1e3:8.1f} us  {kv_bytes / (t * 1e-3) / 1e9:7.0f} GB/s  max|diff| {diff:.1e}", flush=True)
             except Exception as e:                       # noqa: BLE001 - report and go on
                 print(f"  sweep decode {config} failed: {type(e).__name__}: {str(e)[:120]}")
-    fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+    fn = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, order=order)
     t_graph = ms(fn, graph=True)
     t_eager = ms(fn)
     del k, v
