@@ -65,6 +65,7 @@ class CudaGraphs:
             outputs=torch.zeros(rows, hidden_size, dtype=dtype, device=device),
         )
         self.rows = torch.arange(self.decode_sizes[-1], dtype=torch.int32, device=device)
+        self.order_written = 0      # vars["decode_order"] holds rows[n:] from n = order_written on
         self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -134,13 +135,24 @@ class CudaGraphs:
         v["context_lens"][:bs] = context.context_lens
         v["block_tables"].zero_()
         v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        # a permutation of the bucket's rows: the step's order, then the padding rows
-        v["decode_order"].copy_(self.rows)
-        if context.decode_order is not None:
-            v["decode_order"][:bs] = context.decode_order
+        self._decode_order(bs, context.decode_order)
         bucket = next(b for b in self.decode_sizes if b >= bs)
         self.decode_graphs[bucket].replay()
         return v["outputs"][:bs], (v["logits"][:bs] if bucket <= self.logits_rows else None)
+
+    def _decode_order(self, bs: int, order: torch.Tensor | None) -> None:
+        """A permutation of the bucket's rows: the step's order (None: as they come), then the padding rows in
+        place. Written as little as it can be (a lone sequence's order is [0]: nothing): one stream's steps are
+        host-bound, and each copy is a launch."""
+        v = self.vars["decode_order"]
+        if order is not None and bs > 1:
+            v[:bs] = order
+            written = bs
+        else:
+            written = 0
+        if self.order_written > written:
+            v[written:self.order_written] = self.rows[written:self.order_written]
+        self.order_written = written
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, num_seqs: int) -> torch.Tensor | None:
         """Hidden states of a lone prompt's prefill under the current context, or None: the step is not

@@ -37,3 +37,20 @@ def test_lone_prompt_prefill_buckets_stay_within_the_step_and_model_limits():
     assert prefill_graph_lengths(16384, 1000) == [64, 128, 256, 512]
     assert prefill_graph_lengths(300, 4096) == [64, 128, 256]
     assert prefill_graph_lengths(32, 4096) == []
+
+
+def test_every_replay_hands_decode_attention_a_permutation_of_its_bucket():
+    """The graphs' decode_order buffer: the step's order first, the padding rows after it in place, whatever
+    larger step wrote before (a verification's rows, a batch shrinking and growing); a lone sequence writes
+    nothing (its order is [0])."""
+    import torch
+
+    from nanovllm.engine.cuda_graphs import CudaGraphs
+    graphs = CudaGraphs(None, 16, 4, [], 8, torch.float32, torch.device("cpu"))
+    buffer = graphs.vars["decode_order"]
+    steps = [(5, [4, 2, 0, 1, 3]), (3, [1, 0, 2]), (1, [0]), (7, None), (12, list(range(11, -1, -1))), (2, [1, 0]),
+             (9, [8, 0, 1, 2, 3, 4, 5, 6, 7]), (1, [0])]
+    for bs, order in steps:
+        graphs._decode_order(bs, None if order is None else torch.tensor(order, dtype=torch.int32))
+        expected = (order or list(range(bs))) + list(range(bs, 16))
+        assert buffer.tolist() == expected, (bs, order)
