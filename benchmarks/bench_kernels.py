@@ -88,6 +88,7 @@ def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
     if sweep:
         # decode_attention's keyword arguments; {}: the defaults (order=None: the sequences as they come)
         tiles = [dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=4, num_stages=3),
+                 dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3),
                  dict(block_n=64, num_warps=2, num_stages=4), dict(block_n=64, num_warps=1, num_stages=3),
                  dict(block_n=32, num_warps=1, num_stages=3)]
         configs = [{}, dict(order=None), dict(use_tma=True)] + [dict(tile, programs_per_sm=per_sm) for tile in tiles for per_sm in (4, 8, 16)]
