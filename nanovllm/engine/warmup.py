@@ -9,6 +9,7 @@ import torch
 
 from nanovllm.engine.sampling_inputs import build_verify_tensors
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.decode_attention import large_batch
 from nanovllm.kernels.prefill_attention import SHORT_KEYS
 from nanovllm.layers.linear import dense_warmup_token_counts
 from nanovllm.layers.quantization import warmup_token_counts
@@ -105,6 +106,15 @@ def warmup_cached_paths(runner) -> None:
     runner.run([seq], True)
     seq.num_cached_tokens = block_size
     runner.run([seq], False)                # before any graph is captured: eager
+    # a batch large enough for decode attention's other tiles (eager steps: enforce_eager, a draft's)
+    hf_configs = [c for c in (runner.config.hf_config, runner.config.draft_hf_config) if c is not None]
+    num_seqs = max(large_batch(max(1, c.num_key_value_heads // runner.world_size), runner.device,
+                               runner.config.kv_cache_dtype) for c in hf_configs)
+    if num_seqs <= runner.config.max_num_seqs:
+        seqs = [Sequence([0] * (block_size + 1), SamplingParams(), block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.block_table, seq.num_cached_tokens = [0, 1], block_size
+        runner.run(seqs, False)
     if runner.draft is not None:
         _warm_eager_decodes(runner)
     # one token after a long cached prefix: the prefill kernel's tiles for long key ranges

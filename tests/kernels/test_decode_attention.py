@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanovllm.kernels import flash_attn_with_kvcache, torch_flash_attn_with_kvcache
-from nanovllm.kernels.decode_attention import REDUCE_SPLITS, choose_num_splits, decode_attention
+from nanovllm.kernels import decode_attention as decode_attention_module
+from nanovllm.kernels.decode_attention import REDUCE_SPLITS, choose_num_splits, decode_attention, large_batch
 from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
@@ -120,6 +121,26 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 1, 1 << 20, 132) == 64      # capped
     # small fp8 batches run one-warp programs and want ~16 an SM: 16 x 8 kv heads -> 17 chunks
     assert choose_num_splits(16, 8, 16384, 132, programs_per_sm=16) == 17
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_heads", [8, 4, 1])
+def test_large_batches_take_their_own_tiles_from_large_batch_on(kv_heads, cache_dtype, monkeypatch):
+    """A GPU's tiles by the step's (sequence, kv head) programs, two kinds for each cache dtype; large_batch (what
+    warm-up compiles beside a lone sequence) is the first batch of the second kind. A bf16 cache's large
+    batches read 64-key tiles unsplit; an fp8 cache's small ones run one-warp programs."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setitem(decode_attention_module._SM_COUNT, 0, 132)       # an H100's SMs, without a GPU
+    config = lambda batch: decode_attention_module._default_config(128, 256, gpu, cache_dtype, batch * kv_heads)
+    first = large_batch(kv_heads, gpu, cache_dtype)
+    assert config(first) != config(first - 1) and config(1) == config(first - 1)
+    assert config(first) == config(first * 4)
+    if cache_dtype == torch.bfloat16:
+        assert config(first)["block_n"] == 64 and config(first - 1)["block_n"] == 128
+        assert choose_num_splits(first, kv_heads, 8192, 132, programs_per_sm=config(first)["programs_per_sm"]) == 1
+        assert choose_num_splits(first - 1, kv_heads, 8192, 132, programs_per_sm=config(first)["programs_per_sm"]) == 2
+    else:
+        assert config(first)["num_warps"] == 4 and config(first - 1)["num_warps"] == 1
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

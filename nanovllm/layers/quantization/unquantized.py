@@ -16,8 +16,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     skinny_gemm.gemv: its products on CUDA cores stream the weight nearer the copy rate than cuBLAS's GEMV,
     and it loads its first weights before the kernel it follows has finished (H100, one stream: Qwen3-8B
     6.53 -> 5.95 ms/token, Qwen3-0.6B 1.40 -> 1.09). A few rows go to the split-K skinny GEMM where
-    `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has tiles for them (the LM head); the rest,
-    and the CPU, to cuBLAS / torch."""
+    `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has tiles for them (the LM head); a decode
+    step's LT_ROWS to cuBLASLt; the rest, and the CPU, to cuBLAS / torch."""
     num_rows = x.numel() // x.shape[-1]
     if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1:
         if num_rows == 1:
@@ -26,7 +26,33 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if config is not None:
             out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, config=config)
             return out.view(*x.shape[:-1], weight.shape[0])
+        if LT_ROWS[0] <= num_rows <= LT_ROWS[1]:
+            return _linear_through_cublaslt(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# Rows for which cuBLASLt's heuristics pick faster bf16 kernels than cuBLAS's (H200, the 8B shape's four
+# projections a layer: 32-96 rows 4-7% faster, 192-256 2%, 128 and 384+ the same, 16 and fewer 0-2.5%
+# slower; Qwen3-8B standard on an H100: decode 13.60 s against 13.72-13.75, docs/benchmarks.md)
+LT_ROWS = (17, 256)
+_BLAS = getattr(torch._C, "_BlasBackend", None)
+
+
+def _linear_through_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with torch's preferred BLAS library set to cuBLASLt for this call only: the switch is
+    process-wide (it picks the kernel at launch, so a CUDA graph captures cuBLASLt's), and the caller's
+    own GEMMs keep whatever it had chosen."""
+    if _BLAS is None:
+        return F.linear(x, weight, bias)
+    previous = torch._C._get_blas_preferred_backend()
+    try:
+        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+    except RuntimeError:            # a torch built without cuBLASLt
+        return F.linear(x, weight, bias)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch._C._set_blas_preferred_backend(previous)
 
 
 @dataclass(frozen=True)
