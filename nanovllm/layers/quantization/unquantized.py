@@ -31,10 +31,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-# Rows for which cuBLASLt's heuristics pick faster bf16 kernels than cuBLAS's (H200, the 8B shape's four
-# projections a layer: 32-96 rows 4-7% faster, 192-256 2%, 128 and 384+ the same, 16 and fewer 0-2.5%
-# slower; Qwen3-8B standard on an H100: decode 13.60 s against 13.72-13.75, docs/benchmarks.md)
-LT_ROWS = (17, 256)
+# Rows for which cuBLASLt's heuristics pick faster bf16 kernels than cuBLAS's (the four projections of a
+# layer; H100: 8B shape 32-96 rows 2.6-3.9% faster, 384 2.8%, 128-256 the same, 16 1.8% slower; 0.6B shape
+# 128-256 4.6-4.9%; H200 8B 32-96 4-7%. Qwen3-8B standard, H100: decode 13.60 s against 13.72-13.75.
+# A zero bias through addmm's cuBLASLt epilogue instead, with no switch: slower. docs/benchmarks.md)
+LT_ROWS = (17, 384)
 _BLAS = getattr(torch._C, "_BlasBackend", None)
 
 
