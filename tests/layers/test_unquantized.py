@@ -1,5 +1,7 @@
 """The model's-dtype GEMM (nanovllm.layers.quantization.unquantized.dense_linear): which kernel a call takes, and
 that every path computes x @ W^T + b."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,24 @@ def test_cublaslt_is_chosen_for_the_call_only_and_restored(monkeypatch):
     assert switch.seen_by_linear == [torch._C._BlasBackend.Cublaslt] and switch.backend == "cublas"
     with pytest.raises(RuntimeError):
         unquantized._linear_through_cublaslt(x, torch.randn(48, 63), None)     # shapes that do not multiply
+    assert switch.backend == "cublas"
+
+
+def test_the_first_switch_in_a_process_says_nothing_on_stderr(monkeypatch, capfd):
+    """torch's C++ writes a warning to stderr the first time a process selects cuBLASLt: the engine mutes that
+    one call (the switch is its own doing) and nothing else."""
+    switch = _FakeBlasSwitch(monkeypatch)
+    set_backend = switch.set
+    warn = lambda backend: backend == torch._C._BlasBackend.Cublaslt and os.write(2, b"torch: experimental\n")
+    switch.set = lambda backend: warn(backend) or set_backend(backend)
+    monkeypatch.setattr(torch._C, "_set_blas_preferred_backend", switch.set)
+    monkeypatch.setattr(unquantized, "_switched_before", False)
+    x, w = torch.ones(32, 8), torch.ones(4, 8)
+    unquantized._linear_through_cublaslt(x, w, None)
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
+    unquantized._linear_through_cublaslt(x, w, None)        # later switches are not muted (torch is silent then)
+    assert capfd.readouterr().err == "torch: experimental\n"
     assert switch.backend == "cublas"
 
 

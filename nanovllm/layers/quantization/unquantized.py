@@ -1,5 +1,7 @@
 """The default method: weights in the model's dtype, as the checkpoint stores them (LLM(quantization=None) on
 an unquantized checkpoint, and the layers no scheme quantizes: the MoE router)."""
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +49,42 @@ def _linear_through_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         return F.linear(x, weight, bias)
     previous = torch._C._get_blas_preferred_backend()
     try:
-        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+        _select_cublaslt()
     except RuntimeError:            # a torch built without cuBLASLt
         return F.linear(x, weight, bias)
     try:
         return F.linear(x, weight, bias)
     finally:
         torch._C._set_blas_preferred_backend(previous)
+
+
+_switched_before = False
+
+
+def _select_cublaslt() -> None:
+    """torch.backends.cuda.preferred_blas_library("cublaslt"), minus the line torch's C++ writes to stderr the
+    first time a process sets it (that the switch is experimental: the engine sets it, not the user, who could
+    do nothing about it). Raises RuntimeError where torch has no cuBLASLt."""
+    global _switched_before
+    if _switched_before:
+        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):      # no stderr to mute (closed, detached)
+        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+        _switched_before = True
+        return
+    try:
+        os.dup2(devnull, 2)
+        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+        _switched_before = True
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass(frozen=True)
