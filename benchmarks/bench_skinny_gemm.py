@@ -2,12 +2,15 @@
 Qwen3-0.6B's and Qwen3-8B's projection shapes and a decode step's row counts, random weights.
 
     PYTHONPATH=. python benchmarks/bench_skinny_gemm.py [--tokens 1,4,16,64,256] [--shapes 0.6b,8b] [--sweep]
+    PYTHONPATH=. python benchmarks/bench_skinny_gemm.py --shapes 8b --tokens 192,256 --sweep   # a decode step's
+        largest batches: the whole batch in one 256-row tile against cuBLAS and cuBLASLt
 
 Each time is one call in a CUDA graph (as a decode step replays it), cycling through enough weight copies
 that no call finds its weights in L2 (a decode step streams every layer's weights from memory). The floor
 is the bytes moved (weights, activations, output) over this device's copy bandwidth, measured here as
-bench.py's floor is. `skinny` is the kernel with the tiles chosen for M (CONFIGS), `linear` what the
-model's linear layers run (layers/linear.py picks between the two); --sweep also times other tiles (printed
+bench.py's floor is. `cuBLAS` is F.linear as torch runs it by default, `skinny` the kernel with the tiles
+chosen for M (CONFIGS), `linear` what the model's linear layers run (unquantized.dense_linear: the GEMV, the
+skinny GEMM, cuBLASLt for LT_ROWS, or cuBLAS); --sweep also times other tiles (printed
 before the table): the numbers CONFIGS comes from.
 """
 import argparse
@@ -30,7 +33,7 @@ SHAPES = {   # (N, K) of each projection
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
            "lm_head": (151936, 4096)},
 }
-TOKENS = (1, 4, 16, 32, 64, 128, 256)
+TOKENS = (1, 4, 16, 32, 64, 128, 192, 256)
 L2_BYTES = 50 << 20
 
 
@@ -46,6 +49,12 @@ def sweep_configs(m: int) -> list[SkinnyConfig]:
                 SkinnyConfig(64, 4, 6, 2, block_m, 64)]
     if block_m == 128:
         configs += [SkinnyConfig(64, 4, 4, 2, 64, 128), SkinnyConfig(128, 4, 3, 2, 64, 128)]
+    if 128 < m <= 256:
+        # the whole batch in one row tile, so that each weight tile is read once (row tiles are the grid's
+        # slowest axis): 64-deep K steps keep 3-4 stages of a 256-row A tile within shared memory
+        configs += [SkinnyConfig(n, w, s, p, 256, 64) for n, w, s, p in
+                    [(64, 8, 3, 1), (64, 8, 4, 1), (64, 8, 4, 2), (64, 4, 4, 1), (128, 8, 3, 1), (128, 8, 4, 1),
+                     (128, 8, 3, 2), (32, 4, 4, 1), (32, 8, 4, 2)]]
     return configs
 
 
