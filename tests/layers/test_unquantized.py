@@ -93,10 +93,15 @@ def test_the_first_switch_in_a_process_says_nothing_on_stderr(monkeypatch, capfd
 
 
 def test_a_torch_without_cublaslt_runs_the_plain_linear(monkeypatch):
+    """Where torch refuses cuBLASLt, the GEMM runs as before, and later calls do not ask again."""
     switch = _FakeBlasSwitch(monkeypatch, fail=True)
+    asked = []
+    monkeypatch.setattr(unquantized, "_select_cublaslt", lambda: asked.append(1) or switch.set(torch._C._BlasBackend.Cublaslt))
+    monkeypatch.setattr(unquantized, "_BLAS", unquantized._BLAS)
     x, w = torch.ones(32, 8), torch.ones(4, 8)
-    assert torch.equal(unquantized._linear_through_cublaslt(x, w, None), torch.full((32, 4), 8.0))
-    assert switch.seen_by_linear == ["cublas"] and switch.backend == "cublas"
+    for _ in range(2):
+        assert torch.equal(unquantized._linear_through_cublaslt(x, w, None), torch.full((32, 4), 8.0))
+    assert switch.seen_by_linear == ["cublas", "cublas"] and switch.backend == "cublas" and len(asked) == 1
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -45,12 +45,14 @@ def _linear_through_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """F.linear with torch's preferred BLAS library set to cuBLASLt for this call only: the switch is
     process-wide (it picks the kernel at launch, so a CUDA graph captures cuBLASLt's), and the caller's
     own GEMMs keep whatever it had chosen."""
+    global _BLAS
     if _BLAS is None:
         return F.linear(x, weight, bias)
     previous = torch._C._get_blas_preferred_backend()
     try:
         _select_cublaslt()
-    except RuntimeError:            # a torch built without cuBLASLt
+    except RuntimeError:            # a torch built without cuBLASLt: cuBLAS from now on
+        _BLAS = None
         return F.linear(x, weight, bias)
     try:
         return F.linear(x, weight, bias)
