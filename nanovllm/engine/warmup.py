@@ -6,6 +6,7 @@ block table). The sampler warms its own kernels (Sampler.warmup).
 
 Each takes the rank's ModelRunner and runs real steps through it (`runner.run`)."""
 import torch
+import torch.distributed as dist
 
 from nanovllm.engine.sampling_inputs import build_verify_tensors
 from nanovllm.engine.sequence import Sequence
@@ -110,6 +111,8 @@ def warmup_cached_paths(runner) -> None:
     hf_configs = [c for c in (runner.config.hf_config, runner.config.draft_hf_config) if c is not None]
     num_seqs = max(large_batch(max(1, c.num_key_value_heads // runner.world_size), runner.device,
                                runner.config.kv_cache_dtype) for c in hf_configs)
+    if runner.world_size > 1:       # every rank runs the same steps (their collectives pair up), whatever its SMs
+        num_seqs = int(runner.tp.all_reduce(torch.tensor([num_seqs], device=runner.device), dist.ReduceOp.MAX).item())
     if num_seqs <= runner.config.max_num_seqs:
         seqs = [Sequence([0] * (block_size + 1), SamplingParams(), block_size) for _ in range(num_seqs)]
         for seq in seqs:

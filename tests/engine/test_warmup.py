@@ -1,10 +1,13 @@
-"""The start-up warm-up's verification pass (speculative decoding), run on CPU: it samples the most rows a
+"""The start-up warm-up, run on CPU: the verification pass (speculative decoding) samples the most rows a
 verification step can hold, with every costly option, so that on a GPU their memory is in the peak the KV
-cache's sizing leaves room for."""
+cache's sizing leaves room for; the cached paths' pass decodes a lone sequence and a large batch."""
 import pytest
+import torch
+import torch.distributed as dist
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import warmup
+from nanovllm.kernels.decode_attention import large_batch
 from nanovllm.sampling_params import MAX_LOGPROBS
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
@@ -43,3 +46,51 @@ def test_the_verification_warm_up_samples_a_full_step(tiny_model, make_checkpoin
         assert not runner.penalty_state.rows          # the pass's state rows are free again
         out = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 8 and llm.is_finished()
+
+
+@pytest.mark.parametrize("max_num_seqs, large", [(64, True), (4, False)])
+def test_the_cached_paths_warm_up_also_decodes_a_large_batch(tiny_model, monkeypatch, max_num_seqs, large):
+    """Besides a lone sequence's eager decode, one of the fewest sequences whose step takes decode attention's
+    large-batch tiles (decode_attention.large_batch: on a GPU the other compiled kernel), where a step can
+    hold that many; the engine serves requests after it as before."""
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=32,
+             max_num_seqs=max_num_seqs) as llm:
+        runner = llm.model_runner
+        decodes = _record_decode_batches(runner, monkeypatch)
+        warmup.warmup_cached_paths(runner)
+        first = large_batch(llm.config.hf_config.num_key_value_heads, runner.device, llm.config.kv_cache_dtype)
+        assert first <= 64 and decodes == ([1, first] if large else [1])
+        out = llm.generate([[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        assert all(len(o["token_ids"]) == 4 for o in out)
+
+
+def test_tensor_parallel_ranks_warm_up_the_same_large_batch(tiny_model, monkeypatch):
+    """Ranks agree on the large batch (the most any of them needs: GPUs with other SM counts differ), so that
+    every rank runs the same steps and their collectives pair up."""
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=32,
+             max_num_seqs=64) as llm:
+        runner = llm.model_runner
+        decodes = _record_decode_batches(runner, monkeypatch)
+        asked = []
+
+        def all_reduce(x, op=dist.ReduceOp.SUM):
+            if op != dist.ReduceOp.MAX:         # the model's own (one rank in truth: nothing to add)
+                return x
+            asked.append((x.item(), op))
+            return torch.tensor([20])           # another rank's count
+
+        monkeypatch.setattr(runner, "world_size", 2)
+        monkeypatch.setattr(runner.tp, "all_reduce", all_reduce)
+        warmup.warmup_cached_paths(runner)
+        kv_heads = llm.config.hf_config.num_key_value_heads // 2
+        assert asked == [(large_batch(kv_heads, runner.device, llm.config.kv_cache_dtype), dist.ReduceOp.MAX)]
+        assert decodes == [1, 20]
+
+
+def _record_decode_batches(runner, monkeypatch) -> list[int]:
+    """The batch sizes of the decode steps runner.run is given from now on."""
+    decodes = []
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda seqs, is_prefill, *a, **kw:
+                        (is_prefill or decodes.append(len(seqs))) and None or run(seqs, is_prefill, *a, **kw))
+    return decodes
