@@ -2,9 +2,10 @@
 be quoted in the error rank 0 raises (the user may not see the child's traceback scroll by, or may not
 see it at all: a notebook shows only the kernel's own stderr)."""
 import os
-import sys
 import threading
 from contextlib import contextmanager
+
+from nanovllm.utils.stderr_fd import stderr_to
 
 TAIL_BYTES = 8192
 TAIL_LINES = 20
@@ -25,14 +26,10 @@ class StderrTap:
         """While inside, fd 2 is the tap's pipe: a child started here inherits it as its stderr (spawn
         hands a child our fds 0-2 before any of its Python runs, so even an error in its bootstrap
         comes through). Our own fd 2 is back on leaving."""
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(self._write_fd, 2)
         try:
-            yield
+            with stderr_to(self._write_fd):
+                yield
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
             os.close(self._write_fd)      # the child holds the only write end now: EOF when it is gone
             self._write_fd = -1
 

@@ -1,7 +1,6 @@
 """The default method: weights in the model's dtype, as the checkpoint stores them (LLM(quantization=None) on
 an unquantized checkpoint, and the layers no scheme quantizes: the MoE router)."""
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +9,7 @@ from torch import nn
 
 from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.quantization.base import QuantizationMethod, moe_kernel_token_counts, stacked_expert_weights
+from nanovllm.utils.stderr_fd import stderr_to
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -68,25 +68,19 @@ def _select_cublaslt() -> None:
     first time a process sets it (that the switch is experimental: the engine sets it, not the user, who could
     do nothing about it). Raises RuntimeError where torch has no cuBLASLt."""
     global _switched_before
-    if _switched_before:
-        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
-        return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except (OSError, ValueError, AttributeError):      # no stderr to mute (closed, detached)
-        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+    if not _switched_before:
         _switched_before = True
-        return
-    try:
-        os.dup2(devnull, 2)
-        torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
-        _switched_before = True
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                with stderr_to(devnull):
+                    torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
+                return
+            finally:
+                os.close(devnull)
+        except OSError:         # no stderr to mute (fd 2 closed): set it plainly
+            pass
+    torch._C._set_blas_preferred_backend(_BLAS.Cublaslt)
 
 
 @dataclass(frozen=True)
