@@ -150,10 +150,11 @@ def _decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], blo
     lead = 0 if tokens is None else num_rows
     flat = np.empty(lead + 4 * num_rows + num_rows * width, dtype=np.int64)
     flat[:lead] = tokens or []
+    context_lens = positions + 1
     flat[lead:lead + num_rows] = positions
-    flat[lead + num_rows:lead + 2 * num_rows] = positions + 1          # context lengths
+    flat[lead + num_rows:lead + 2 * num_rows] = context_lens
     flat[lead + 2 * num_rows:lead + 3 * num_rows] = slots
-    flat[lead + 3 * num_rows:lead + 4 * num_rows] = longest_first(positions + 1)
+    flat[lead + 3 * num_rows:lead + 4 * num_rows] = longest_first(context_lens)
     flat[lead + 4 * num_rows:] = tables[rows].ravel()                # each row reads its sequence's block table
     flat = to_device(flat, device)
     context = flat[lead + num_rows:].to(torch.int32)      # the kernels read int32 metadata
