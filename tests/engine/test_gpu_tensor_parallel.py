@@ -1,5 +1,5 @@
 """Tensor parallelism on several GPUs (NCCL, CUDA graphs on): what TP=N decodes greedily is what one
-GPU would pick, up to bf16 near-ties, on a random-weight checkpoint of Qwen3-0.6B's shape (with the
+GPU would pick, up to near-ties (bf16's, and wider ones with fp8 caches), on a random-weight checkpoint of Qwen3-0.6B's shape (with the
 model's dtype in the KV cache, and with fp8 on both sides)."""
 import pytest
 import torch
@@ -9,6 +9,12 @@ from benchmarks.random_checkpoint import QWEN3_0_6B
 from teacher_forcing import TIE_MARGIN, forced_logprobs, random_prompts
 
 NUM_TOKENS = 32
+# With an fp8 cache, a K or V element that TP and one GPU compute a bf16 rounding apart (the row-parallel
+# all-reduce adds the ranks' partial sums in another order) can round to neighbouring e4m3 values, 2^-4 to
+# 2^-3 apart relatively: near-ties are wider than bf16 rounding alone makes them. 2 x H200 (2026-11-27):
+# 0.125 nats at most, bf16 cache under 0.1; fp8 against the bf16 cache moves the top-1 by up to 0.52
+# (docs/benchmarks.md, issue #15).
+FP8_TIE_MARGIN = 0.25
 # skipped before the fixtures run (a CPU machine would otherwise write a 0.6B checkpoint for nothing);
 # worker processes: a regression must fail, not hang
 pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
@@ -40,4 +46,4 @@ def test_tensor_parallel_picks_what_one_gpu_would(model_dir, tp, kv_cache_dtype)
                  for p, s in zip(parallel, alone)]
     print(f"TP={tp}, {kv_cache_dtype} KV cache: largest shortfall from one GPU's argmax {shortfall:.4f}; "
           f"tokens identical to one GPU before the first difference: {identical}")
-    assert shortfall < TIE_MARGIN
+    assert shortfall < (FP8_TIE_MARGIN if kv_cache_dtype == "fp8" else TIE_MARGIN)
