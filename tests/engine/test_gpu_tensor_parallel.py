@@ -1,6 +1,6 @@
 """Tensor parallelism on several GPUs (NCCL, CUDA graphs on): what TP=N decodes greedily is what one
-GPU would pick, up to near-ties (bf16's, and wider ones with fp8 caches), on a random-weight checkpoint of Qwen3-0.6B's shape (with the
-model's dtype in the KV cache, and with fp8 on both sides)."""
+GPU would pick, up to near-ties (bf16's, and wider ones with fp8 caches), on a random-weight checkpoint
+of Qwen3-0.6B's shape (with the model's dtype in the KV cache, and with fp8 on both sides)."""
 import pytest
 import torch
 
