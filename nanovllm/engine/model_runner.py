@@ -265,8 +265,10 @@ class ModelRunner:
                 emitted = rows.offsets[p] <= accepted[rows.seq_of_row[p]]
                 self.penalty_state.count(state_rows[emitted], output.token_ids[p][emitted])
         if draft_reads:     # an EAGLE-3 head: every rank
-            token_ids = output.token_ids if self.rank == 0 else input_ids.new_empty(len(input_ids))
-            accepted = accepted if self.rank == 0 else input_ids.new_empty(len(seqs))
+            # the other ranks' buffers take rank 0's dtypes (int64: SamplerOutput, num_accepted), not the inputs'
+            token_ids = output.token_ids if self.rank == 0 else torch.empty(len(input_ids), dtype=torch.int64,
+                                                                             device=self.device)
+            accepted = accepted if self.rank == 0 else torch.empty(len(seqs), dtype=torch.int64, device=self.device)
             self.tp.broadcast_from_first(token_ids)
             self.tp.broadcast_from_first(accepted)
             with using_context(context):

@@ -148,7 +148,7 @@ def _decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], blo
     rows, positions, slots, tables = segment_rows(seqs, starts, counts, block_size)
     num_rows, width = len(rows), tables.shape[1]
     lead = 0 if tokens is None else num_rows
-    flat = np.empty(lead + 4 * num_rows + num_rows * width, dtype=np.int64)
+    flat = np.empty(lead + 4 * num_rows + num_rows * width, dtype=np.int32)     # as prepare_decode's
     flat[:lead] = tokens or []
     context_lens = positions + 1
     flat[lead:lead + num_rows] = positions
@@ -157,7 +157,7 @@ def _decode_rows(seqs: list[Sequence], starts: list[int], counts: list[int], blo
     flat[lead + 3 * num_rows:lead + 4 * num_rows] = longest_first(context_lens)
     flat[lead + 4 * num_rows:] = tables[rows].ravel()                # each row reads its sequence's block table
     flat = to_device(flat, device)
-    context = flat[lead + num_rows:].to(torch.int32)      # the kernels read int32 metadata
+    context = flat[lead + num_rows:]
     set_context(False, slot_mapping=context[num_rows:2 * num_rows], context_lens=context[:num_rows],
                 block_tables=context[3 * num_rows:].view(num_rows, width),
                 decode_order=context[2 * num_rows:3 * num_rows])
