@@ -69,7 +69,8 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
                                                  for seq in seqs)
     flat = np.fromiter(itertools.chain(tokens, positions, context_lens, slots, sampled_rows, itertools.repeat(0, n),
                                        block_tables), dtype=np.int32, count=6 * n + n * width)
-    flat[5 * n:6 * n] = longest_first(flat[2 * n:3 * n])
+    if n > 1:           # a lone sequence's order is the [0] already there (one stream's steps are host-bound)
+        flat[5 * n:6 * n] = longest_first(flat[2 * n:3 * n])
     flat = to_device(flat, device)
     columns = flat[:6 * n].view(6, n)
     set_context(False, slot_mapping=columns[3], context_lens=columns[2],
