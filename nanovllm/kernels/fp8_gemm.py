@@ -43,10 +43,12 @@ SCALED_MM_MIN_TOKENS = 65   # fewer rows: our decode tiles (SKINNY_CONFIGS; cuBL
 # steps): 6-16% faster from 192 rows up on an H100, with a few times bf16's output rounding added (docs/benchmarks.md,
 # 2026-11-27); vLLM's CUTLASS FP8 GEMMs on Hopper accumulate the same way (FP8FastAccum schedules)
 SCALED_MM_FAST_ACCUM = True
-# a GEMM of SCALED_MM_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose output goes straight into a residual RMSNorm runs
-# unscaled (per-tensor _scaled_mm with unit scales: cuBLASLt's kernels there take 10-30% less time than the row-wise
-# path on the 4096-column projections of Qwen3-8B, none above ~512 rows) and leaves both scales to the norm
-# (layers.quantization.ScaledOutput)
+# a GEMM of UNSCALED_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose consumer can apply its scales (a residual RMSNorm,
+# SiLU-and-mul) runs unscaled (per-tensor _scaled_mm with unit scales: cuBLASLt's kernels there take 10-30% less time
+# than the row-wise path on the 4096-column projections of Qwen3-8B, none above ~512 rows; at 17-64 rows 2-11% less
+# than our skinny tiles with their scales, o/down/gate_up of Qwen3-8B on an H100) and leaves both scales to the
+# consumer (layers.quantization.ScaledOutput)
+UNSCALED_MIN_TOKENS = 17
 UNSCALED_MAX_TOKENS = 512
 # the kernels' copies (a @triton.jit function reads only constexpr globals)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -278,8 +280,10 @@ def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch
 
 def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype,
                          device: torch.device) -> bool:
-    """Whether a per-channel GEMM of this shape, whose consumer can apply the scales, runs unscaled_matmul."""
-    return num_rows <= UNSCALED_MAX_TOKENS and scaled_mm_applies(num_rows, num_cols, width, out_dtype, device)
+    """Whether a per-channel GEMM of this shape, whose consumer can apply the scales, runs unscaled_matmul
+    (cuBLASLt, as _scaled_mm: bf16 out, 16-aligned, a Hopper-class GPU)."""
+    return (UNSCALED_MIN_TOKENS <= num_rows <= UNSCALED_MAX_TOKENS and out_dtype == torch.bfloat16
+            and width % 16 == 0 and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
 
 
 @lru_cache(maxsize=None)

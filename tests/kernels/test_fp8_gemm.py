@@ -148,6 +148,20 @@ def test_fp8_linear_keeps_leading_dims_and_the_input_dtype():
     assert not fp8_gemm.scaled_mm_applies(64, 96, 256, torch.bfloat16, torch.device("cpu"))
 
 
+def test_a_gemm_defers_its_scales_from_17_to_512_rows_on_hopper(monkeypatch):
+    """Where cuBLASLt's unscaled GEMM is the faster (decode batches of 17-512 rows) and only there: a single
+    stream and small batches keep the skinny tiles, prefill chunks the row-wise GEMM with its own scales."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(fp8_gemm, "_has_rowwise_scaled_mm", lambda device: device.type == "cuda")
+    defers = [m for m in range(1, 1025) if fp8_gemm.defers_output_scales(m, 4096, 4096, torch.bfloat16, cuda)]
+    assert defers == list(range(fp8_gemm.UNSCALED_MIN_TOKENS, fp8_gemm.UNSCALED_MAX_TOKENS + 1))
+    assert (fp8_gemm.UNSCALED_MIN_TOKENS, fp8_gemm.UNSCALED_MAX_TOKENS) == (17, 512)
+    assert not fp8_gemm.defers_output_scales(64, 4096, 4096, torch.float16, cuda)     # _scaled_mm: bf16 out here
+    assert not fp8_gemm.defers_output_scales(64, 4096, 4104, torch.bfloat16, cuda)    # K not 16-aligned
+    assert not fp8_gemm.defers_output_scales(64, 4104, 4096, torch.bfloat16, cuda)    # N not 16-aligned
+    assert not fp8_gemm.defers_output_scales(64, 4096, 4096, torch.bfloat16, cpu)
+
+
 def test_the_warm_up_buckets_are_the_configs_first_counts():
     counts = fp8_gemm.config_token_counts()
     assert counts[0] == 1 and list(counts) == sorted(counts)
