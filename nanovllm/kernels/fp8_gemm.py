@@ -43,11 +43,11 @@ SCALED_MM_MIN_TOKENS = 65   # fewer rows: our decode tiles (SKINNY_CONFIGS; cuBL
 # steps): 6-16% faster from 192 rows up on an H100, with a few times bf16's output rounding added (docs/benchmarks.md,
 # 2026-11-27); vLLM's CUTLASS FP8 GEMMs on Hopper accumulate the same way (FP8FastAccum schedules)
 SCALED_MM_FAST_ACCUM = True
-# a GEMM of UNSCALED_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose consumer can apply its scales (a residual RMSNorm,
-# SiLU-and-mul) runs unscaled (per-tensor _scaled_mm with unit scales: cuBLASLt's kernels there take 10-30% less time
-# than the row-wise path on the 4096-column projections of Qwen3-8B, none above ~512 rows; at 17-64 rows 2-11% less
-# than our skinny tiles with their scales, o/down/gate_up of Qwen3-8B on an H100) and leaves both scales to the
-# consumer (layers.quantization.ScaledOutput)
+# a GEMM of UNSCALED_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose output goes straight into a residual RMSNorm runs
+# unscaled (per-tensor _scaled_mm with unit scales: cuBLASLt's kernels there take 10-30% less time than the row-wise
+# path on the 4096-column projections of Qwen3-8B, none above ~512 rows; at 17-64 rows 4-14% less than our skinny
+# tiles with their scales, o and down of Qwen3-8B on an H100) and leaves both scales to the norm
+# (layers.quantization.ScaledOutput)
 UNSCALED_MIN_TOKENS = 17
 UNSCALED_MAX_TOKENS = 512
 # the kernels' copies (a @triton.jit function reads only constexpr globals)
