@@ -77,40 +77,40 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, s_ptr, residu
 
 
 @triton.jit
-def _gated(x_row_ptr, cols, ok, width):
-    return silu_and_mul_cols(x_row_ptr, cols, ok, width).to(tl.float32)
-
-
-@triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, width, num_groups, stride_x, stride_q, stride_s,
-                               GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                               INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, row_scale_ptr, col_scale_ptr, width, num_groups, stride_x,
+                               stride_q, stride_s, SCALED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                               BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, INTERPRET: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """Per token (GROUP_SIZE 0): program row, the row's amax over every BLOCK of columns, then its values
-    (SINGLE_PASS: the row is one BLOCK, kept in registers). Per group: program (row, block of columns)."""
+    (SINGLE_PASS: the row is one BLOCK, kept in registers). Per group: program (row, block of columns).
+    SCALED: x is a GEMM's output whose scales this pass applies (pointwise.silu_and_mul_cols)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    rs = tl.load(row_scale_ptr + row) if SCALED else 1.0
     offs = tl.arange(0, BLOCK)
     if GROUP_SIZE == 0:
         if SINGLE_PASS:
             ok = offs < width
-            y = _gated(x_row, offs, ok, width)
+            y = silu_and_mul_cols(x_row, offs, ok, width, rs, col_scale_ptr, SCALED).to(tl.float32)
             scale = _row_scale(tl.abs(y))
             _store_token(y, scale, q_ptr + row * stride_q + offs, ok, INTERPRET)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, width, BLOCK):
-                amax = tl.maximum(amax, tl.abs(_gated(x_row, start + offs, start + offs < width, width)))
+                ok = start + offs < width
+                y = silu_and_mul_cols(x_row, start + offs, ok, width, rs, col_scale_ptr, SCALED).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(y))
             scale = _row_scale(amax)
             for start in range(0, width, BLOCK):
                 ok = start + offs < width
-                _store_token(_gated(x_row, start + offs, ok, width), scale, q_ptr + row * stride_q + start + offs,
-                             ok, INTERPRET)
+                y = silu_and_mul_cols(x_row, start + offs, ok, width, rs, col_scale_ptr, SCALED).to(tl.float32)
+                _store_token(y, scale, q_ptr + row * stride_q + start + offs, ok, INTERPRET)
         tl.store(s_ptr + row + offs, scale, mask=offs == 0)
     else:
         cols = tl.program_id(1) * BLOCK + offs
         ok = cols < width
-        y = _gated(x_row, cols, ok, width)
+        y = silu_and_mul_cols(x_row, cols, ok, width, rs, col_scale_ptr, SCALED).to(tl.float32)
         scale = _quantize_block(y, q_ptr + row * stride_q + cols, ok, GROUP_SIZE, BLOCK, INTERPRET)
         groups = tl.program_id(1) * (BLOCK // GROUP_SIZE) + tl.arange(0, BLOCK // GROUP_SIZE)
         tl.store(s_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
@@ -145,24 +145,27 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     return (q, scale) if residual is None else (q, scale, residual_out)
 
 
-def silu_and_mul_quant(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """pointwise.silu_and_mul(x) for x [T, 2I] quantized as fp8_gemm.quantize_activations(., group_size) would
-    quantize it: (e4m3 [T, I], scales [T] or [T, ceil(I / group_size)])."""
+def silu_and_mul_quant(x: torch.Tensor, group_size: int | None = None,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """pointwise.silu_and_mul(x, scales) for x [T, 2I] quantized as fp8_gemm.quantize_activations(., group_size)
+    would quantize it: (e4m3 [T, I], scales [T] or [T, ceil(I / group_size)])."""
     tokens, double_width = x.shape
     width = double_width // 2
     assert x.stride(1) == 1 and double_width == 2 * width
+    row_scale, col_scale = scales if scales is not None else (x, x)
     q, scale, num_groups = _outputs(tokens, width, group_size, x.device)
     if tokens:
         interpret = x.device.type != "cuda"
         if group_size is None:
             block = min(MAX_BLOCK, triton.next_power_of_2(width))
             _silu_and_mul_quant_kernel[(tokens,)](
-                x, q, scale, width, num_groups, x.stride(0), q.stride(0), 0, GROUP_SIZE=0, BLOCK=block,
-                SINGLE_PASS=block >= width, INTERPRET=interpret,
+                x, q, scale, row_scale, col_scale, width, num_groups, x.stride(0), q.stride(0), 0,
+                SCALED=scales is not None, GROUP_SIZE=0, BLOCK=block, SINGLE_PASS=block >= width, INTERPRET=interpret,
                 num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device))
         else:
             block = max(group_size, min(1024, triton.next_power_of_2(width)))
             _silu_and_mul_quant_kernel[(tokens, triton.cdiv(width, block))](
-                x, q, scale, width, num_groups, x.stride(0), q.stride(0), scale.stride(0), GROUP_SIZE=group_size,
+                x, q, scale, row_scale, col_scale, width, num_groups, x.stride(0), q.stride(0), scale.stride(0),
+                SCALED=scales is not None, GROUP_SIZE=group_size,
                 BLOCK=block, SINGLE_PASS=True, INTERPRET=interpret, num_warps=4, **pdl_options(x.device))
     return q, scale

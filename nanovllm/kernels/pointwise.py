@@ -16,36 +16,48 @@ from nanovllm.kernels.dependent_launch import enter, pdl_options
 
 
 @triton.jit
-def silu_and_mul_cols(x_row_ptr, cols, ok, width):
+def silu_and_mul_cols(x_row_ptr, cols, ok, width, row_scale, col_scale_ptr, SCALED: tl.constexpr):
     """SiLU(gate) * up at columns `cols` of the row at x_row_ptr (gate, then up, each `width` wide), in the
-    row's dtype, each stage rounded to it (also nanovllm.kernels.fp8_activations' first stage)."""
+    row's dtype, each stage rounded to it (also nanovllm.kernels.fp8_activations' first stage). SCALED: the row
+    is a GEMM's output whose scales were left to this pass: each value times row_scale and its column's scale
+    first, rounded to the dtype as the GEMM would have rounded it."""
     gate = tl.load(x_row_ptr + cols, mask=ok, other=0.0)
     up = tl.load(x_row_ptr + width + cols, mask=ok, other=0.0)
     dtype = gate.dtype
     gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    if SCALED:
+        gate = (gate * row_scale * tl.load(col_scale_ptr + cols, mask=ok, other=0.0)).to(dtype).to(tl.float32)
+        up = (up * row_scale * tl.load(col_scale_ptr + width + cols, mask=ok, other=0.0)).to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype)
+    return (act * up).to(dtype)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, row_scale_ptr, col_scale_ptr, width, stride_x, stride_out,
+                         SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    tl.store(out_ptr + row * stride_out + cols, silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width), mask=ok)
+    row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
+    y = silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width, row_scale, col_scale_ptr, SCALED)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] for x [tokens, 2I]."""
+def silu_and_mul(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] for x [tokens, 2I]. `scales` (float32 [tokens], [2I]): x is a GEMM's output
+    whose row and column scales this pass applies first (layers.quantization.ScaledOutput)."""
     tokens, double_width = x.shape
     width = double_width // 2
     assert x.stride(1) == 1 and double_width == 2 * width
+    row_scale, col_scale = scales if scales is not None else (x, x)
     out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
-        _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](x, out, width, x.stride(0), out.stride(0),
-                                                                BLOCK=block, num_warps=4, **pdl_options(x.device))
+        _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](
+            x, out, row_scale, col_scale, width, x.stride(0), out.stride(0), SCALED=scales is not None,
+            BLOCK=block, num_warps=4, **pdl_options(x.device))
     return out
 
 

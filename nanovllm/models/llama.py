@@ -82,11 +82,14 @@ class LlamaDecoderLayer(nn.Module):
             self.post_attention_layernorm.output_quantization = self.mlp.gate_up_proj.input_quantization()
         # o_proj's output, and the dense MLP's, go straight into an RMSNorm that adds the residual (this layer's
         # second, the next layer's first, the model's last): where one rank holds the whole sum, a quantized
-        # projection may leave its output's scales to that norm (ScaledOutput)
+        # projection may leave its output's scales to that norm (ScaledOutput); gate_up_proj's, on any number of
+        # ranks, to SiLU-and-mul (each rank's columns are whole)
+        if isinstance(self.mlp, LlamaMLP):
+            self.mlp.gate_up_proj.defer_output_scales = True
         if current_group().size == 1:
-            self.self_attn.o_proj.output_scales_to_norm = True
+            self.self_attn.o_proj.defer_output_scales = True
             if isinstance(self.mlp, LlamaMLP):
-                self.mlp.down_proj.output_scales_to_norm = True
+                self.mlp.down_proj.defer_output_scales = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

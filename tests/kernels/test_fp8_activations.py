@@ -71,12 +71,25 @@ def test_silu_and_mul_quant_is_the_gate_then_the_quantization(width, group, dtyp
     assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x), group))
 
 
-def test_rows_wider_than_a_program_holds_take_two_passes(monkeypatch):
+@pytest.mark.parametrize("group", [None, 128])
+@pytest.mark.parametrize("width", [96, 1100])
+def test_silu_and_mul_quant_applies_a_gemm_outputs_scales_as_the_plain_gate_does(width, group):
+    """gate_up's raw product and its scales (a ScaledOutput): the same e4m3 values and scales as pointwise's
+    gate with those scales, then the quantization."""
+    raw = 100 * rows(5, 2 * width, torch.bfloat16, seed=4)
+    scales = (torch.logspace(-3, -1, 5, device=DEVICE), 0.001 + 0.01 * torch.rand(2 * width, device=DEVICE))
+    got = fp8_activations.silu_and_mul_quant(raw, group, scales)
+    assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(raw, scales), group))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rows_wider_than_a_program_holds_take_two_passes(monkeypatch, scaled):
     """Per-token scales of a row wider than MAX_BLOCK: its amax over every block, then its values."""
     monkeypatch.setattr(fp8_activations, "MAX_BLOCK", 256)
     x = 3 * rows(3, 2 * 700, torch.bfloat16, seed=3)
-    got = fp8_activations.silu_and_mul_quant(x, None)
-    assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x), None))
+    scales = (torch.rand(3, device=DEVICE) + 0.5, torch.rand(1400, device=DEVICE) + 0.5) if scaled else None
+    got = fp8_activations.silu_and_mul_quant(x, None, scales)
+    assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x, scales), None))
 
 
 def test_no_rows():

@@ -63,6 +63,24 @@ def test_rms_norm_applies_a_gemm_outputs_scales_before_the_residual(dtype):
         assert torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 1100])
+def test_silu_and_mul_applies_a_gemm_outputs_scales_first(dtype, width):
+    """With `scales`, x is gate_up's output without its row and column scales: the gate gives what it gives the
+    scaled output the GEMM would have written (scaled in float32, rounded to the dtype; bit for bit on a GPU,
+    within the interpreter's own rounding to bfloat16 on CPU); unit scales change nothing, bit for bit."""
+    torch.manual_seed(0)
+    raw = (300 * torch.randn(5, 2 * width, device=DEVICE)).to(dtype)
+    row_scale = torch.logspace(-3, -1, 5, device=DEVICE)
+    col_scale = 0.001 + 0.01 * torch.rand(2 * width, device=DEVICE)
+    applied = (raw.float() * row_scale[:, None] * col_scale[None, :]).to(dtype)
+    if DEVICE == "cuda":
+        assert torch.equal(silu_and_mul(raw, (row_scale, col_scale)), silu_and_mul(applied))
+    _close(silu_and_mul(raw, (row_scale, col_scale)), silu_and_mul(applied))
+    ones = (torch.ones(5, device=DEVICE), torch.ones(2 * width, device=DEVICE))
+    assert torch.equal(silu_and_mul(raw, ones), silu_and_mul(raw))
+
+
 def test_empty_batch():
     assert silu_and_mul(torch.empty(0, 8, device=DEVICE)).shape == (0, 4)
     assert rms_norm(torch.empty(0, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6).shape == (0, 8)

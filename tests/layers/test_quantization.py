@@ -288,7 +288,7 @@ def test_norm_and_gate_write_an_fp8_layers_input_as_the_layer_would_quantize_it(
 
 @pytest.mark.parametrize("quantized_input", [False, True], ids=["plain-input", "quantized-input"])
 def test_a_layer_feeding_a_residual_norm_may_leave_its_output_scales_to_it(quantized_input, monkeypatch):
-    """Where the model says so (output_scales_to_norm) and fp8_gemm finds the unscaled GEMM the faster (forced
+    """Where the model says so (defer_output_scales) and fp8_gemm finds the unscaled GEMM the faster (forced
     here, the GEMM emulated on CPU), an FP8 layer returns its product without scales (ScaledOutput), whose value
     is the layer's output; the RMSNorm after it applies the scales and gives what it gives the plain output."""
     from nanovllm.kernels import fp8_gemm
@@ -302,7 +302,7 @@ def test_a_layer_feeding_a_residual_norm_may_leave_its_output_scales_to_it(quant
     norm = RMSNorm(64)
     norm.weight.data = 1 + 0.1 * torch.randn(64)
     plain = layer(x)
-    layer.output_scales_to_norm = True
+    layer.defer_output_scales = True
     assert torch.equal(layer(x), plain)             # the CPU path applies its scales: nothing is faster there
     monkeypatch.setattr(fp8_gemm, "defers_output_scales", lambda *shape: True)
     monkeypatch.setattr(fp8_gemm, "unscaled_matmul", lambda q, w, dtype: (q.float() @ w.float().t()).to(dtype))
@@ -311,8 +311,32 @@ def test_a_layer_feeding_a_residual_norm_may_leave_its_output_scales_to_it(quant
     torch.testing.assert_close(deferred.materialize(), plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
     for got, expected in zip(norm(deferred, residual), norm(plain, residual), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    layer.output_scales_to_norm = False
+    layer.defer_output_scales = False
     assert torch.equal(layer(x), plain)
+
+
+def test_gate_up_may_leave_its_output_scales_to_silu_and_mul(monkeypatch):
+    """gate_up_proj's product without scales (forced, the GEMM emulated on CPU) is its output once
+    materialized, and SiLU-and-mul gives from it what it gives from the plain output (written quantized for
+    down_proj, as in the model)."""
+    from nanovllm.kernels import fp8_gemm
+    from nanovllm.layers.activation import SiluAndMul
+    from nanovllm.layers.quantization.base import ScaledOutput
+    torch.manual_seed(0)
+    layer = fp8_layer(CHANNEL, 2 * 96, 64)
+    x = layer.input_quantization().quantize(torch.randn(80, 64))     # as the residual norm hands it over
+    gate = SiluAndMul()
+    gate.output_quantization = fp8_layer(CHANNEL, 32, 96).input_quantization()
+    plain = layer(x)
+    layer.defer_output_scales = True
+    monkeypatch.setattr(fp8_gemm, "defers_output_scales", lambda *shape: True)
+    monkeypatch.setattr(fp8_gemm, "unscaled_matmul", lambda q, w, dtype: (q.float() @ w.float().t()).to(dtype))
+    deferred = layer(x)
+    assert isinstance(deferred, ScaledOutput) and deferred.shape == plain.shape
+    torch.testing.assert_close(deferred.materialize(), plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+    got, expected = gate(deferred), gate(plain)
+    torch.testing.assert_close(got.scales, expected.scales, rtol=1e-5, atol=0)
+    assert (got.values.float() != expected.values.float()).float().mean() < 0.01     # an e4m3 rounding flipped at most
 
 
 def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
@@ -331,11 +355,13 @@ def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
         assert all((p.output_quantization is not None) == wired for p in producers)
         assert model.model.norm.output_quantization is None                 # the LM head stays in bf16
         assert layer.self_attn.q_norm.output_quantization is None
-        # on one rank, o_proj and down_proj feed residual norms: they may leave their scales to them
-        assert layer.self_attn.o_proj.output_scales_to_norm and layer.mlp.down_proj.output_scales_to_norm
-        assert not (layer.self_attn.qkv_proj.output_scales_to_norm or layer.mlp.gate_up_proj.output_scales_to_norm)
+        # on one rank, o_proj and down_proj feed residual norms: they may leave their scales to them; gate_up_proj
+        # to SiLU-and-mul
+        assert layer.self_attn.o_proj.defer_output_scales and layer.mlp.down_proj.defer_output_scales
+        assert layer.mlp.gate_up_proj.defer_output_scales and not layer.self_attn.qkv_proj.defer_output_scales
     # over two ranks each holds a partial sum, all-reduced in the model's dtype: every scale applied first
     config.num_key_value_heads = 2
     with building_with(Unreduced(0, 2)), building_with_quantization(CHANNEL):
         layer = Qwen3ForCausalLM(config).model.layers[0]
-    assert not (layer.self_attn.o_proj.output_scales_to_norm or layer.mlp.down_proj.output_scales_to_norm)
+    assert not (layer.self_attn.o_proj.defer_output_scales or layer.mlp.down_proj.defer_output_scales)
+    assert layer.mlp.gate_up_proj.defer_output_scales         # each rank's gate and up columns are whole

@@ -37,9 +37,9 @@ class QuantizedActivations(NamedTuple):
 class ScaledOutput(NamedTuple):
     """A quantized GEMM's output whose per-row and per-column scales are still to be applied: the value is
     raw[i, j] * row_scales[i] * col_scales[j] (raw in the model's dtype, the scales float32). A layer returns it
-    only where the model said its output goes straight into an RMSNorm that adds the residual
-    (`layer.output_scales_to_norm`), which applies them in its own pass (layers/layernorm.py): the GEMM itself then
-    runs unscaled, which cuBLASLt does faster at decode sizes (FP8: kernels/fp8_gemm.py)."""
+    only where the model said the module reading its output applies them in its own pass
+    (`layer.defer_output_scales`: the residual RMSNorm, layers/layernorm.py, or SiLU-and-mul, layers/activation.py):
+    the GEMM itself then runs unscaled, which cuBLASLt does faster at decode sizes (FP8: kernels/fp8_gemm.py)."""
     raw: torch.Tensor
     row_scales: torch.Tensor
     col_scales: torch.Tensor
@@ -72,8 +72,9 @@ class InputQuantization:
         scales: x is a ScaledOutput's raw values, these its (row, column) scales."""
         return None
 
-    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivations | None:
-        """SiLU(x's first half) * its second half, written quantized, or None (as rms_norm)."""
+    def silu_and_mul(self, x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> QuantizedActivations | None:
+        """SiLU(x's first half) * its second half, written quantized, or None (as rms_norm; scales: as its)."""
         return None
 
 

@@ -148,10 +148,11 @@ class Fp8Input(InputQuantization):
         out = QuantizedActivations(q, scale, x.dtype)
         return (out, *summed) if summed else out
 
-    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivations | None:
+    def silu_and_mul(self, x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> QuantizedActivations | None:
         if not (x.is_cuda and x.dim() == 2):
             return None
-        return QuantizedActivations(*fp8_activations.silu_and_mul_quant(x, self.group_size), x.dtype)
+        return QuantizedActivations(*fp8_activations.silu_and_mul_quant(x, self.group_size, scales), x.dtype)
 
 
 # ---- the methods --------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ class Fp8Method(QuantizationMethod):
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Online quantization: the loaded weight (model dtype) -> e4m3 values and scales, once."""
-        if layer.output_scales_to_norm and layer.weight.is_cuda:
+        if layer.defer_output_scales and layer.weight.is_cuda:
             fp8_gemm.unit_scale(layer.weight.device)        # before any CUDA graph is captured
         if not self.online or layer.weight.dtype == FP8:
             return
@@ -252,7 +253,7 @@ class Fp8Method(QuantizationMethod):
         """x @ W^T (+ bias, added in x's dtype after the GEMM); x in the model's dtype, or already quantized."""
         scale = getattr(layer, self.scale_name)
         block_scaled = self.scheme == "block"
-        if bias is None and not block_scaled and layer.output_scales_to_norm:
+        if bias is None and not block_scaled and layer.defer_output_scales:
             deferred = self._unscaled(layer.weight, scale, x)
             if deferred is not None:
                 return deferred
