@@ -43,13 +43,15 @@ SCALED_MM_MIN_TOKENS = 65   # fewer rows: our decode tiles (SKINNY_CONFIGS; cuBL
 # steps): 6-16% faster from 192 rows up on an H100, with a few times bf16's output rounding added (docs/benchmarks.md,
 # 2026-11-27); vLLM's CUTLASS FP8 GEMMs on Hopper accumulate the same way (FP8FastAccum schedules)
 SCALED_MM_FAST_ACCUM = True
-# a GEMM of UNSCALED_MIN_TOKENS..UNSCALED_MAX_TOKENS rows whose output goes straight into a residual RMSNorm runs
-# unscaled (per-tensor _scaled_mm with unit scales: cuBLASLt's kernels there take 10-30% less time than the row-wise
-# path on the 4096-column projections of Qwen3-8B, none above ~512 rows; at 17-64 rows 4-14% less than our skinny
-# tiles with their scales, o and down of Qwen3-8B on an H100) and leaves both scales to the norm
-# (layers.quantization.ScaledOutput)
+# a GEMM of UNSCALED_MIN_TOKENS..UNSCALED_MAX_TOKENS[reader] rows whose reader can apply its scales runs unscaled
+# (per-tensor _scaled_mm with unit scales) and leaves both scales to that reader (layers.quantization.ScaledOutput).
+# "norm", the residual RMSNorm after o_proj and down_proj: cuBLASLt's per-tensor kernels take 10-30% less time than
+# the row-wise path on the 4096-column projections of Qwen3-8B, none above ~512 rows, and at 17-64 rows 4-14% less
+# than our skinny tiles with their scales (H100). "silu", SiLU-and-mul after gate_up_proj: its row-wise kernel at
+# 144-192 rows takes 56-67 us against the unscaled one's 48-50; from ~200 rows the gate's loads of both halves'
+# column scales for every row cost more than the GEMM saves (8B FP8 decode steps of 192-256 rows 0.1-0.2 ms slower)
 UNSCALED_MIN_TOKENS = 17
-UNSCALED_MAX_TOKENS = 512
+UNSCALED_MAX_TOKENS = {"norm": 512, "silu": 192}
 # the kernels' copies (a @triton.jit function reads only constexpr globals)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -278,11 +280,11 @@ def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch
             and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
 
 
-def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype,
-                         device: torch.device) -> bool:
-    """Whether a per-channel GEMM of this shape, whose consumer can apply the scales, runs unscaled_matmul
-    (cuBLASLt, as _scaled_mm: bf16 out, 16-aligned, a Hopper-class GPU)."""
-    return (UNSCALED_MIN_TOKENS <= num_rows <= UNSCALED_MAX_TOKENS and out_dtype == torch.bfloat16
+def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype, device: torch.device,
+                         reader: str = "norm") -> bool:
+    """Whether a per-channel GEMM of this shape, whose reader ("norm" or "silu") can apply the scales, runs
+    unscaled_matmul (cuBLASLt, as _scaled_mm: bf16 out, 16-aligned, a Hopper-class GPU)."""
+    return (UNSCALED_MIN_TOKENS <= num_rows <= UNSCALED_MAX_TOKENS[reader] and out_dtype == torch.bfloat16
             and width % 16 == 0 and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
 
 

@@ -85,11 +85,11 @@ class LlamaDecoderLayer(nn.Module):
         # projection may leave its output's scales to that norm (ScaledOutput); gate_up_proj's, on any number of
         # ranks, to SiLU-and-mul (each rank's columns are whole)
         if isinstance(self.mlp, LlamaMLP):
-            self.mlp.gate_up_proj.defer_output_scales = True
+            self.mlp.gate_up_proj.defer_output_scales = "silu"
         if current_group().size == 1:
-            self.self_attn.o_proj.defer_output_scales = True
+            self.self_attn.o_proj.defer_output_scales = "norm"
             if isinstance(self.mlp, LlamaMLP):
-                self.mlp.down_proj.defer_output_scales = True
+                self.mlp.down_proj.defer_output_scales = "norm"
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,14 +148,17 @@ def test_fp8_linear_keeps_leading_dims_and_the_input_dtype():
     assert not fp8_gemm.scaled_mm_applies(64, 96, 256, torch.bfloat16, torch.device("cpu"))
 
 
-def test_a_gemm_defers_its_scales_from_17_to_512_rows_on_hopper(monkeypatch):
-    """Where cuBLASLt's unscaled GEMM is the faster (decode batches of 17-512 rows) and only there: a single
-    stream and small batches keep the skinny tiles, prefill chunks the row-wise GEMM with its own scales."""
+@pytest.mark.parametrize("reader, last", [("norm", 512), ("silu", 192)])
+def test_a_gemm_defers_its_scales_from_17_rows_to_its_readers_limit_on_hopper(reader, last, monkeypatch):
+    """Where cuBLASLt's unscaled GEMM is the faster, its reader's extra loads included (decode batches of 17-512
+    rows into a residual norm, 17-192 into SiLU-and-mul) and only there: a single stream and small batches keep
+    the skinny tiles, prefill chunks the row-wise GEMM with its own scales."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(fp8_gemm, "_has_rowwise_scaled_mm", lambda device: device.type == "cuda")
-    defers = [m for m in range(1, 1025) if fp8_gemm.defers_output_scales(m, 4096, 4096, torch.bfloat16, cuda)]
-    assert defers == list(range(fp8_gemm.UNSCALED_MIN_TOKENS, fp8_gemm.UNSCALED_MAX_TOKENS + 1))
-    assert (fp8_gemm.UNSCALED_MIN_TOKENS, fp8_gemm.UNSCALED_MAX_TOKENS) == (17, 512)
+    defers = [m for m in range(1, 1025)
+              if fp8_gemm.defers_output_scales(m, 4096, 4096, torch.bfloat16, cuda, reader)]
+    assert defers == list(range(17, last + 1))
+    assert fp8_gemm.UNSCALED_MIN_TOKENS == 17 and fp8_gemm.UNSCALED_MAX_TOKENS[reader] == last
     assert not fp8_gemm.defers_output_scales(64, 4096, 4096, torch.float16, cuda)     # _scaled_mm: bf16 out here
     assert not fp8_gemm.defers_output_scales(64, 4096, 4104, torch.bfloat16, cuda)    # K not 16-aligned
     assert not fp8_gemm.defers_output_scales(64, 4104, 4096, torch.bfloat16, cuda)    # N not 16-aligned

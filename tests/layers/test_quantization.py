@@ -302,7 +302,7 @@ def test_a_layer_feeding_a_residual_norm_may_leave_its_output_scales_to_it(quant
     norm = RMSNorm(64)
     norm.weight.data = 1 + 0.1 * torch.randn(64)
     plain = layer(x)
-    layer.defer_output_scales = True
+    layer.defer_output_scales = "norm"
     assert torch.equal(layer(x), plain)             # the CPU path applies its scales: nothing is faster there
     monkeypatch.setattr(fp8_gemm, "defers_output_scales", lambda *shape: True)
     monkeypatch.setattr(fp8_gemm, "unscaled_matmul", lambda q, w, dtype: (q.float() @ w.float().t()).to(dtype))
@@ -311,7 +311,7 @@ def test_a_layer_feeding_a_residual_norm_may_leave_its_output_scales_to_it(quant
     torch.testing.assert_close(deferred.materialize(), plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
     for got, expected in zip(norm(deferred, residual), norm(plain, residual), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    layer.defer_output_scales = False
+    layer.defer_output_scales = None
     assert torch.equal(layer(x), plain)
 
 
@@ -328,7 +328,7 @@ def test_gate_up_may_leave_its_output_scales_to_silu_and_mul(monkeypatch):
     gate = SiluAndMul()
     gate.output_quantization = fp8_layer(CHANNEL, 32, 96).input_quantization()
     plain = layer(x)
-    layer.defer_output_scales = True
+    layer.defer_output_scales = "silu"
     monkeypatch.setattr(fp8_gemm, "defers_output_scales", lambda *shape: True)
     monkeypatch.setattr(fp8_gemm, "unscaled_matmul", lambda q, w, dtype: (q.float() @ w.float().t()).to(dtype))
     deferred = layer(x)
@@ -357,11 +357,12 @@ def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
         assert layer.self_attn.q_norm.output_quantization is None
         # on one rank, o_proj and down_proj feed residual norms: they may leave their scales to them; gate_up_proj
         # to SiLU-and-mul
-        assert layer.self_attn.o_proj.defer_output_scales and layer.mlp.down_proj.defer_output_scales
-        assert layer.mlp.gate_up_proj.defer_output_scales and not layer.self_attn.qkv_proj.defer_output_scales
+        assert layer.self_attn.o_proj.defer_output_scales == layer.mlp.down_proj.defer_output_scales == "norm"
+        assert layer.mlp.gate_up_proj.defer_output_scales == "silu"
+        assert layer.self_attn.qkv_proj.defer_output_scales is None
     # over two ranks each holds a partial sum, all-reduced in the model's dtype: every scale applied first
     config.num_key_value_heads = 2
     with building_with(Unreduced(0, 2)), building_with_quantization(CHANNEL):
         layer = Qwen3ForCausalLM(config).model.layers[0]
-    assert not (layer.self_attn.o_proj.defer_output_scales or layer.mlp.down_proj.defer_output_scales)
-    assert layer.mlp.gate_up_proj.defer_output_scales         # each rank's gate and up columns are whole
+    assert layer.self_attn.o_proj.defer_output_scales is None and layer.mlp.down_proj.defer_output_scales is None
+    assert layer.mlp.gate_up_proj.defer_output_scales == "silu"     # each rank's gate and up columns are whole

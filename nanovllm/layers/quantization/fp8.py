@@ -254,7 +254,7 @@ class Fp8Method(QuantizationMethod):
         scale = getattr(layer, self.scale_name)
         block_scaled = self.scheme == "block"
         if bias is None and not block_scaled and layer.defer_output_scales:
-            deferred = self._unscaled(layer.weight, scale, x)
+            deferred = self._unscaled(layer.weight, scale, x, layer.defer_output_scales)
             if deferred is not None:
                 return deferred
         if isinstance(x, QuantizedActivations) and x.values.is_cuda:
@@ -266,14 +266,14 @@ class Fp8Method(QuantizationMethod):
         return y if bias is None else y + bias
 
     @staticmethod
-    def _unscaled(weight: torch.Tensor, scale: torch.Tensor,
-                  x: torch.Tensor | QuantizedActivations) -> ScaledOutput | None:
-        """The GEMM without its scales, for a consumer that applies them (ScaledOutput), where that is faster
+    def _unscaled(weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor | QuantizedActivations,
+                  reader: str) -> ScaledOutput | None:
+        """The GEMM without its scales, for a reader that applies them (ScaledOutput), where that is faster
         (fp8_gemm.defers_output_scales); else None."""
         values = x.values if isinstance(x, QuantizedActivations) else x
         dtype = x.dtype
         if values.dim() != 2 or not fp8_gemm.defers_output_scales(values.shape[0], weight.shape[0], values.shape[1],
-                                                                  dtype, values.device):
+                                                                  dtype, values.device, reader):
             return None
         if not isinstance(x, QuantizedActivations):
             x = Fp8Input(None).quantize(x)
