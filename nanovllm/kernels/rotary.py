@@ -78,10 +78,10 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
                       PDL: tl.constexpr = False):
     enter(PDL)
     token = tl.program_id(0).to(tl.int64)
-    # SCALED: q, k and v are columns 0.., Q_COLS.. and Q_COLS + K_COLS.. of a GEMM's raw output, whose row and
+    # SCALED: q, k and v are columns 0.., q_cols.. and q_cols + k_cols.. of a GEMM's raw output, whose row and
     # column scales (ScaledOutput) apply as they are loaded
-    Q_COLS: tl.constexpr = NUM_Q_HEADS * 2 * HALF
-    K_COLS: tl.constexpr = NUM_K_HEADS * 2 * HALF
+    q_cols = NUM_Q_HEADS * 2 * HALF
+    k_cols = NUM_K_HEADS * 2 * HALF
     row_scale = 1.0
     if SCALED:
         row_scale = tl.load(row_scale_ptr + token)
@@ -102,7 +102,7 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
     k_heads = tl.arange(0, K_HEADS_PAD)[:, None]
     k_mask = (k_heads < NUM_K_HEADS) & (dims < HALF)
     k1, k2 = _norm_rope_heads(k_ptr + token * stride_kt + k_heads * stride_kh + dims, k_mask, k_w_ptr, dims,
-                              cos, sin, eps, row_scale, col_scale_ptr + Q_COLS + k_heads * (2 * HALF) + dims, HALF,
+                              cos, sin, eps, row_scale, col_scale_ptr + q_cols + k_heads * (2 * HALF) + dims, HALF,
                               NORM, SCALED)
     if CACHE:
         slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -115,7 +115,7 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
             v_mask = (k_heads < NUM_K_HEADS) & (cols < 2 * HALF)
             v_src = v_ptr + token * stride_vt + k_heads * stride_vh + cols
             v = _scaled(tl.load(v_src, mask=v_mask), row_scale,
-                        col_scale_ptr + Q_COLS + K_COLS + k_heads * (2 * HALF) + cols, v_mask, SCALED)
+                        col_scale_ptr + q_cols + k_cols + k_heads * (2 * HALF) + cols, v_mask, SCALED)
             v_dst = v_cache_ptr + page * stride_vcb + within * stride_vct + k_heads * stride_vch + cols
             v_held = _write_cache(v, v_dst, v_mask, FP8)
             if FP8 or SCALED:          # attention over the fresh value sees what the cache holds
