@@ -65,8 +65,9 @@ def _write_cache(x, dst, mask, FP8: tl.constexpr):
 
 
 # positions and slot_mapping are read one scalar a program: their alignment gains nothing, and it varies
-# with where a step's inputs lie (an eager decode's differ from the warm-up's), so it must not pick a variant
-@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_ptr"])
+# with where a step's inputs lie (an eager decode's differ from the warm-up's), so it must not pick a variant;
+# nor the scales' (positions stand in for them where there are none)
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_ptr", "row_scale_ptr", "col_scale_ptr"])
 def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr,
                       v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_scale_ptr, col_scale_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
