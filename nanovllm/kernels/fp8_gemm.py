@@ -49,11 +49,9 @@ SCALED_MM_FAST_ACCUM = True
 # the row-wise path on the 4096-column projections of Qwen3-8B, none above ~512 rows, and at 17-64 rows 4-14% less
 # than our skinny tiles with their scales (H100). "silu", SiLU-and-mul after gate_up_proj: its row-wise kernel at
 # 144-192 rows takes 56-67 us against the unscaled one's 48-50; from ~200 rows the gate's loads of both halves'
-# column scales for every row cost more than the GEMM saves (8B FP8 decode steps of 192-256 rows 0.1-0.2 ms slower).
-# "rotary", the rotary kernel after qkv_proj (which writes q, k and the KV cache): qkv's unscaled GEMM takes 16-18 us
-# against the row-wise 19-20 at 65-192 rows (H100); off (0) until measured in the engine
+# column scales for every row cost more than the GEMM saves (8B FP8 decode steps of 192-256 rows 0.1-0.2 ms slower)
 UNSCALED_MIN_TOKENS = 17
-UNSCALED_MAX_TOKENS = {"norm": 512, "silu": 192, "rotary": 0}
+UNSCALED_MAX_TOKENS = {"norm": 512, "silu": 192}
 # the kernels' copies (a @triton.jit function reads only constexpr globals)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -284,7 +282,7 @@ def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch
 
 def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype, device: torch.device,
                          reader: str = "norm") -> bool:
-    """Whether a per-channel GEMM of this shape, whose reader ("norm", "silu", "rotary") can apply the scales, runs
+    """Whether a per-channel GEMM of this shape, whose reader ("norm" or "silu") can apply the scales, runs
     unscaled_matmul (cuBLASLt, as _scaled_mm: bf16 out, 16-aligned, a Hopper-class GPU)."""
     return (UNSCALED_MIN_TOKENS <= num_rows <= UNSCALED_MAX_TOKENS[reader] and out_dtype == torch.bfloat16
             and width % 16 == 0 and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))

@@ -20,23 +20,11 @@ from nanovllm.kernels.store_kvcache import e4m3_bits
 
 
 @triton.jit
-def _scaled(x, row_scale, col_ptrs, mask, SCALED: tl.constexpr):
-    """x (a GEMM's raw output, [heads, cols]) times its row's and each column's scale, rounded to x's dtype as
-    ScaledOutput.materialize rounds it; x itself without SCALED."""
-    if SCALED:
-        col_scale = tl.load(col_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) * row_scale * col_scale).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _norm_rope_heads(ptrs, mask, w_ptr, dims, cos, sin, eps, row_scale, col_ptrs, HALF: tl.constexpr,
-                     NORM: tl.constexpr, SCALED: tl.constexpr):
-    """One token's heads, `ptrs` pointing at their first halves ([heads, HALF_PAD]): scaled first when SCALED
-    (`col_ptrs` at their columns' scales), normalized when NORM, then rotated; returned as the two halves in
-    the input dtype."""
-    x1 = _scaled(tl.load(ptrs, mask=mask, other=0.0), row_scale, col_ptrs, mask, SCALED)
-    x2 = _scaled(tl.load(ptrs + HALF, mask=mask, other=0.0), row_scale, col_ptrs + HALF, mask, SCALED)
+def _norm_rope_heads(ptrs, mask, w_ptr, dims, cos, sin, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """One token's heads, `ptrs` pointing at their first halves ([heads, HALF_PAD]): normalized when NORM,
+    then rotated; returned as the two halves in the input dtype."""
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if NORM:
@@ -65,27 +53,18 @@ def _write_cache(x, dst, mask, FP8: tl.constexpr):
 
 
 # positions and slot_mapping are read one scalar a program: their alignment gains nothing, and it varies
-# with where a step's inputs lie (an eager decode's differ from the warm-up's), so it must not pick a variant;
-# nor the scales' (positions stand in for them where there are none)
-@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_ptr", "row_scale_ptr", "col_scale_ptr"])
+# with where a step's inputs lie (an eager decode's differ from the warm-up's), so it must not pick a variant
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_ptr"])
 def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr,
-                      v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_scale_ptr, col_scale_ptr,
+                      v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_cs, eps,
                       NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                       NUM_K_HEADS: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NORM: tl.constexpr,
-                      CACHE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      CACHE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
     token = tl.program_id(0).to(tl.int64)
-    # SCALED: q, k and v are columns 0.., q_cols.. and q_cols + k_cols.. of a GEMM's raw output, whose row and
-    # column scales (ScaledOutput) apply as they are loaded
-    q_cols = NUM_Q_HEADS * 2 * HALF
-    k_cols = NUM_K_HEADS * 2 * HALF
-    row_scale = 1.0
-    if SCALED:
-        row_scale = tl.load(row_scale_ptr + token)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cs + dims, mask=dims < HALF, other=0.0)
@@ -94,8 +73,7 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
     q_heads = tl.arange(0, Q_HEADS_PAD)[:, None]
     q_mask = (q_heads < NUM_Q_HEADS) & (dims < HALF)
     q1, q2 = _norm_rope_heads(q_ptr + token * stride_qt + q_heads * stride_qh + dims, q_mask, q_w_ptr, dims,
-                              cos, sin, eps, row_scale, col_scale_ptr + q_heads * (2 * HALF) + dims, HALF, NORM,
-                              SCALED)
+                              cos, sin, eps, HALF, NORM)
     q_out = q_out_ptr + token * (NUM_Q_HEADS * 2 * HALF) + q_heads * (2 * HALF) + dims
     tl.store(q_out, q1, mask=q_mask)
     tl.store(q_out + HALF, q2, mask=q_mask)
@@ -103,8 +81,7 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
     k_heads = tl.arange(0, K_HEADS_PAD)[:, None]
     k_mask = (k_heads < NUM_K_HEADS) & (dims < HALF)
     k1, k2 = _norm_rope_heads(k_ptr + token * stride_kt + k_heads * stride_kh + dims, k_mask, k_w_ptr, dims,
-                              cos, sin, eps, row_scale, col_scale_ptr + q_cols + k_heads * (2 * HALF) + dims, HALF,
-                              NORM, SCALED)
+                              cos, sin, eps, HALF, NORM)
     if CACHE:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:                  # slot -1: a padded token, nothing written (nor rounded)
@@ -115,11 +92,10 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
             cols = tl.arange(0, HEAD_DIM_PAD)[None, :]
             v_mask = (k_heads < NUM_K_HEADS) & (cols < 2 * HALF)
             v_src = v_ptr + token * stride_vt + k_heads * stride_vh + cols
-            v = _scaled(tl.load(v_src, mask=v_mask), row_scale,
-                        col_scale_ptr + q_cols + k_cols + k_heads * (2 * HALF) + cols, v_mask, SCALED)
+            v = tl.load(v_src, mask=v_mask)
             v_dst = v_cache_ptr + page * stride_vcb + within * stride_vct + k_heads * stride_vch + cols
             v_held = _write_cache(v, v_dst, v_mask, FP8)
-            if FP8 or SCALED:          # attention over the fresh value sees what the cache holds
+            if FP8:                    # attention over the fresh value sees what the cache holds
                 tl.store(v_src, v_held, mask=v_mask)
     k_out = k_out_ptr + token * (NUM_K_HEADS * 2 * HALF) + k_heads * (2 * HALF) + dims
     tl.store(k_out, k1, mask=k_mask)
@@ -129,19 +105,15 @@ def _rotate_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin
 def rotate_qk(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
               eps: float = 0.0, *, value: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-              v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-              scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              v_cache: torch.Tensor | None = None,
+              slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) [tokens, heads, head_dim] rotated by their positions' angles; normalized first when the
     weights are given. cos_sin_cache is [max_position, head_dim] float32: cos in the first half, sin in
     the second, pairing dimension i with i + head_dim / 2.
 
     With value, k_cache, v_cache ([num_blocks, block_size, kv_heads, head_dim]) and slot_mapping, the
     rotated key and the value are also written to the caches as store_kvcache writes them: slot -1 is
-    skipped; with an fp8 cache the returned key holds the stored values and value is rounded in place.
-
-    scales (row_scales [tokens], col_scales [q, k and v columns], float32): query, key and value are views of a
-    GEMM's raw output (layers.quantization.ScaledOutput; the cache write required), each value scaled and rounded
-    as materialize() would as it is loaded; value is overwritten in place with its scaled value where written."""
+    skipped; with an fp8 cache the returned key holds the stored values and value is rounded in place."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_k_heads = key.shape[1]
     assert head_dim % 2 == 0 and query.stride(2) == 1 and key.stride(2) == 1
@@ -162,13 +134,6 @@ def rotate_qk(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, c
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:                              # unused pointers and strides
         value, k_cache, v_cache, slot_mapping = key, key, key, positions
-    if scales is not None:
-        assert cache, "a raw GEMM output's value is scaled where the cache is written"
-        row_scales, col_scales = scales
-        assert row_scales.numel() == num_tokens and col_scales.is_contiguous()
-        assert col_scales.numel() == (num_q_heads + 2 * num_k_heads) * head_dim, col_scales.shape
-    else:
-        row_scales = col_scales = positions
     q_out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     k_out = torch.empty(num_tokens, num_k_heads, head_dim, dtype=key.dtype, device=key.device)
     if num_tokens == 0:
@@ -177,13 +142,12 @@ def rotate_qk(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, c
     _rotate_qk_kernel[(num_tokens,)](
         query, key, q_out, k_out, positions, cos_sin_cache,
         q_weight if norm else query, k_weight if norm else key,
-        value, k_cache, v_cache, slot_mapping, row_scales, col_scales,
+        value, k_cache, v_cache, slot_mapping,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         NUM_K_HEADS=num_k_heads, K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        NORM=norm, CACHE=cache, PAGE=k_cache.shape[1] if cache else 1, FP8=fp8, SCALED=scales is not None,
-        num_warps=4,
+        NORM=norm, CACHE=cache, PAGE=k_cache.shape[1] if cache else 1, FP8=fp8, num_warps=4,
         **pdl_options(query.device))
     return q_out, k_out

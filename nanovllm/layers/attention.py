@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.quantization.base import ScaledOutput
 from nanovllm.layers.rotary_kv_store import RotaryEmbedding
 from nanovllm.utils.context import get_context
 
@@ -45,23 +44,15 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
                 rotary_emb: RotaryEmbedding | None = None, q_norm: RMSNorm | None = None,
-                k_norm: RMSNorm | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
-        """scales: q, k and v are views of a quantized GEMM's raw output whose (row, column) scales are still to
-        be applied (ScaledOutput): the rotary kernel applies them as it loads them, elsewhere they are applied
-        first."""
+                k_norm: RMSNorm | None = None) -> torch.Tensor:
         context, ops = get_context(), self.ops
         k_cache, v_cache = self.k_cache, self.v_cache
         cached = k_cache.numel() and v_cache.numel()
         # a backend with our Triton store has the rotary call write the cache too: on a GPU its kernel does,
         # one launch fewer per layer (on CPU, under the interpreter, it rotates and stores in torch)
-        fused = rotary_emb is not None and cached and ops.fused_rope_store
-        if scales is not None and not (fused and q.is_cuda):
-            q, k, v = self._materialized(q, k, v, scales)
-            scales = None
-        if fused:
+        if rotary_emb is not None and cached and ops.fused_rope_store:
             q, k = rotary_emb(positions, q, k, q_norm, k_norm, value=v, k_cache=k_cache, v_cache=v_cache,
-                              slot_mapping=context.slot_mapping, scales=scales)
+                              slot_mapping=context.slot_mapping)
         else:
             if rotary_emb is not None:
                 q, k = rotary_emb(positions, q, k, q_norm, k_norm)
@@ -91,16 +82,3 @@ class Attention(nn.Module):
                                         block_table=context.block_tables, softmax_scale=self.scale, causal=True,
                                         **order)
         return o.squeeze(1)
-
-    @staticmethod
-    def _materialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scales: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
-        """q, k and v (views of one raw GEMM output, in that column order) with its scales applied."""
-        row_scales, col_scales = scales
-        out, start = [], 0
-        for part in (q, k, v):
-            width = part.shape[1] * part.shape[2]
-            raw = ScaledOutput(part.flatten(1), row_scales, col_scales[start:start + width])
-            out.append(raw.materialize().view_as(part))
-            start += width
-        return out

@@ -26,8 +26,7 @@ class LinearBase(nn.Module):
     quantizable = True      # False: never quantized (ReplicatedLinear: the MoE router, kept precise as in vLLM)
     # set by the model where the module reading the output can apply a quantized GEMM's scales in its own pass:
     # "norm", the RMSNorm that adds the residual after o_proj and down_proj on one rank; "silu", SiLU-and-mul after
-    # gate_up_proj; "rotary", the rotary kernel after qkv_proj. A quantized layer may then return a ScaledOutput
-    # (layers/quantization)
+    # gate_up_proj. A quantized layer may then return a ScaledOutput (layers/quantization)
     defer_output_scales: str | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None,

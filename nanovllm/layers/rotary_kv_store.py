@@ -63,21 +63,18 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, *,
                 value: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-                v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                v_cache: torch.Tensor | None = None,
+                slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (query, key); with q_norm and k_norm each head is normalized first. On a GPU one Triton
         kernel does it all (torch.compile made six kernels of it, each launch costing more than its work).
 
         With value and the paged caches, the rotated key and the value are also written at slot_mapping's
-        slots, as store_kvcache writes them (on a GPU in the same kernel: one launch fewer per layer).
-        scales (on a GPU, with the caches): query, key and value are a raw GEMM output's views, scaled as
-        loaded (kernels/rotary.py)."""
+        slots, as store_kvcache writes them (on a GPU in the same kernel: one launch fewer per layer)."""
         assert (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)
         norm = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         if query.is_cuda:
             return rotate_qk(positions, query, key, self.cos_sin_cache, *norm, value=value, k_cache=k_cache,
-                             v_cache=v_cache, slot_mapping=slot_mapping, scales=scales)
-        assert scales is None, "the torch path takes applied values (Attention applies a raw output's scales)"
+                             v_cache=v_cache, slot_mapping=slot_mapping)
         query, key = (norm_rotate if norm else rotate)(positions, query, key, self.cos_sin_cache, *norm)
         if value is not None:
             store_kvcache(key, value, k_cache, v_cache, slot_mapping)

@@ -41,15 +41,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, scales = self.qkv_proj(hidden_states), None
-        if isinstance(qkv, ScaledOutput):   # FP8: its scales left to the rotary kernel (Attention's forward)
-            qkv, scales = qkv.raw, (qkv.row_scales, qkv.col_scales)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # Attention rotates q and k (normalized first: Qwen3 only); on a GPU one kernel also writes the KV cache
-        o = self.attn(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm, scales)
+        o = self.attn(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm)
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -85,9 +82,8 @@ class LlamaDecoderLayer(nn.Module):
             self.post_attention_layernorm.output_quantization = self.mlp.gate_up_proj.input_quantization()
         # o_proj's output, and the dense MLP's, go straight into an RMSNorm that adds the residual (this layer's
         # second, the next layer's first, the model's last): where one rank holds the whole sum, a quantized
-        # projection may leave its output's scales to that norm (ScaledOutput); on any number of ranks (each rank's
-        # columns are whole) gate_up_proj's to SiLU-and-mul, qkv_proj's to the rotary kernel (Attention)
-        self.self_attn.qkv_proj.defer_output_scales = "rotary"
+        # projection may leave its output's scales to that norm (ScaledOutput); gate_up_proj's, on any number of
+        # ranks, to SiLU-and-mul (each rank's columns are whole)
         if isinstance(self.mlp, LlamaMLP):
             self.mlp.gate_up_proj.defer_output_scales = "silu"
         if current_group().size == 1:

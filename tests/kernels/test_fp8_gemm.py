@@ -148,12 +148,11 @@ def test_fp8_linear_keeps_leading_dims_and_the_input_dtype():
     assert not fp8_gemm.scaled_mm_applies(64, 96, 256, torch.bfloat16, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("reader, last", [("norm", 512), ("silu", 192), ("rotary", 0)])
+@pytest.mark.parametrize("reader, last", [("norm", 512), ("silu", 192)])
 def test_a_gemm_defers_its_scales_from_17_rows_to_its_readers_limit_on_hopper(reader, last, monkeypatch):
     """Where cuBLASLt's unscaled GEMM is the faster, its reader's extra loads included (decode batches of 17-512
-    rows into a residual norm, 17-192 into SiLU-and-mul; none into the rotary kernel until measured) and only
-    there: a single stream and small batches keep the skinny tiles, prefill chunks the row-wise GEMM with its
-    own scales."""
+    rows into a residual norm, 17-192 into SiLU-and-mul) and only there: a single stream and small batches keep
+    the skinny tiles, prefill chunks the row-wise GEMM with its own scales."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(fp8_gemm, "_has_rowwise_scaled_mm", lambda device: device.type == "cuda")
     defers = [m for m in range(1, 1025)

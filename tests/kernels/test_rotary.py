@@ -126,49 +126,6 @@ def test_fused_cache_write_matches_rotate_then_store(cache_dtype, norm, q_heads,
         assert not torch.equal(k_out[4], k_out[4].to(cache_dtype).to(k_out.dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("norm", [False, True])
-def test_a_raw_gemm_output_is_scaled_as_it_is_loaded(cache_dtype, norm):
-    """q, k and v as views of an FP8 GEMM's raw output with its row and column scales (ScaledOutput, qkv_proj's
-    scales left to this kernel): the rotated q and k, both caches and the value the prefill attends over are
-    bitwise what the kernel makes of the materialized output; a padded token's value is left alone."""
-    from nanovllm.layers.quantization.base import ScaledOutput
-    torch.manual_seed(0)
-    q_heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
-    n, q_size, kv_size = 5, q_heads * head_dim, kv_heads * head_dim
-    positions = torch.tensor([3, 4, 0, 9, 2], device=DEVICE)
-    slots = torch.tensor([2 * 16 + 3, 2 * 16 + 4, -1, 9, 16 + 2], dtype=torch.int32, device=DEVICE)
-    raw = (40 * torch.randn(n, q_size + 2 * kv_size, device=DEVICE)).bfloat16()
-    output = ScaledOutput(raw, torch.rand(n, device=DEVICE) / 100 + 1e-3,
-                          torch.rand(q_size + 2 * kv_size, device=DEVICE) / 50 + 1e-3)
-    rope = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
-    weights = (tuple((1 + 0.1 * torch.randn(head_dim, device=DEVICE)).bfloat16() for _ in range(2)) + (1e-6,)
-               if norm else ())
-    views = lambda t: (t[:, :q_size].view(n, q_heads, head_dim),
-                       t[:, q_size:q_size + kv_size].view(n, kv_heads, head_dim),
-                       t[:, q_size + kv_size:].view(n, kv_heads, head_dim))
-    caches = [torch.zeros(3, block_size, kv_heads, head_dim, device=DEVICE).to(cache_dtype) for _ in range(4)]
-
-    applied = output.materialize()
-    if DEVICE == "cpu":     # the interpreter truncates float32 to bf16 where CUDA (and materialize) rounds
-        product = raw.float() * output.row_scales[:, None] * output.col_scales[None, :]
-        applied = (product.view(torch.int32) & -65536).view(torch.float32).bfloat16()
-    q, k, v_ref = views(applied.clone())
-    q_ref, k_ref = rotate_qk(positions, q, k, rope.cos_sin_cache, *weights, value=v_ref, k_cache=caches[0],
-                             v_cache=caches[1], slot_mapping=slots)
-    q, k, v = views(raw)
-    q_out, k_out = rotate_qk(positions, q, k, rope.cos_sin_cache, *weights, value=v, k_cache=caches[2],
-                             v_cache=caches[3], slot_mapping=slots, scales=(output.row_scales, output.col_scales))
-    as_bytes = lambda c: c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out[slots >= 0], k_ref[slots >= 0])
-    assert torch.equal(as_bytes(caches[2]), as_bytes(caches[0])) and torch.equal(as_bytes(caches[3]), as_bytes(caches[1]))
-    written = slots >= 0
-    assert torch.equal(v[written], v_ref[written])           # the value the prefill reads: scaled (fp8: rounded)
-    assert torch.equal(raw[~written, q_size + kv_size:], output.raw[~written, q_size + kv_size:])
-    with pytest.raises(AssertionError, match="cache is written"):
-        rotate_qk(positions, q, k, rope.cos_sin_cache, *weights, scales=(output.row_scales, output.col_scales))
-
-
 def test_cache_arguments_come_together():
     rope = RotaryEmbedding(64, 64, 10000.0).to(DEVICE)
     q, k = _qkv(2, 2, 1, 64, torch.float32)

@@ -39,7 +39,7 @@ class ScaledOutput(NamedTuple):
     raw[i, j] * row_scales[i] * col_scales[j] (raw in the model's dtype, the scales float32). A layer returns it
     only where the model said the module reading its output applies them in its own pass
     (`layer.defer_output_scales`: "norm", the residual RMSNorm, layers/layernorm.py; "silu", SiLU-and-mul,
-    layers/activation.py; "rotary", the rotary kernel that also writes the KV cache, layers/attention.py):
+    layers/activation.py):
     the GEMM itself then runs unscaled, which cuBLASLt does faster at decode sizes (FP8: kernels/fp8_gemm.py)."""
     raw: torch.Tensor
     row_scales: torch.Tensor
