@@ -6,9 +6,10 @@ allows (bench.py's own figures are for the whole run).
     PYTHONPATH=. python benchmarks/step_floor.py --shape qwen3-8b --load-format dummy [--quantization fp8]
     BANDWIDTH=3.0e12 PYTHONPATH=. python benchmarks/step_floor.py ...     # another copy rate (bytes/s)
 
-Every argument goes to bench.py (one --workload at a time: the report is of the last run). A forward pass is ModelRunner.run_model between two CUDA events (the graph
-replay or the eager model, logits included; sampling and the gaps between steps are "the rest"). The KV read
-of a decode step is the sum of its sequences' lengths; the copy rate defaults to an H100's measured ~2.99 TB/s.
+Every argument goes to bench.py (one --workload at a time: the report is of the last run). A forward pass is
+ModelRunner.run_model between two CUDA events (the graph replay or the eager model, logits included; sampling and
+the gaps between steps are "the rest"). The KV read of a decode step is the sum of its sequences' lengths; the
+copy rate defaults to an H100's measured ~2.99 TB/s.
 The weight term counts every parameter: for a mixture of experts, every expert (a bound, not the floor of a step
 whose tokens pick a few; bench.py's own floor counts the expected experts).
 On a CPU the events are the host's clock (a dry run of the report).

@@ -274,18 +274,23 @@ def _has_rowwise_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def _scaled_mm_takes(num_cols: int, width: int, out_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch._scaled_mm (cuBLASLt) takes a GEMM of this shape at all: bf16 out, 16-aligned N and K, a
+    Hopper-class GPU (row-wise scales there)."""
+    return out_dtype == torch.bfloat16 and width % 16 == 0 and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device)
+
+
 def scaled_mm_applies(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a per-channel GEMM of this shape goes through torch._scaled_mm (else our kernel)."""
-    return (num_rows >= SCALED_MM_MIN_TOKENS and out_dtype == torch.bfloat16 and width % 16 == 0
-            and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
+    return num_rows >= SCALED_MM_MIN_TOKENS and _scaled_mm_takes(num_cols, width, out_dtype, device)
 
 
 def defers_output_scales(num_rows: int, num_cols: int, width: int, out_dtype: torch.dtype, device: torch.device,
                          reader: str = "norm") -> bool:
     """Whether a per-channel GEMM of this shape, whose reader ("norm" or "silu") can apply the scales, runs
-    unscaled_matmul (cuBLASLt, as _scaled_mm: bf16 out, 16-aligned, a Hopper-class GPU)."""
-    return (UNSCALED_MIN_TOKENS <= num_rows <= UNSCALED_MAX_TOKENS[reader] and out_dtype == torch.bfloat16
-            and width % 16 == 0 and num_cols % 16 == 0 and _has_rowwise_scaled_mm(device))
+    unscaled_matmul."""
+    return (UNSCALED_MIN_TOKENS <= num_rows <= UNSCALED_MAX_TOKENS[reader]
+            and _scaled_mm_takes(num_cols, width, out_dtype, device))
 
 
 @lru_cache(maxsize=None)
