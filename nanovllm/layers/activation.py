@@ -3,7 +3,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import pointwise
-from nanovllm.layers.quantization.base import ScaledOutput
+from nanovllm.layers.quantization.base import ScaledOutput, reader_input
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes x (and a ScaledOutput's scales with it)."""
+    return x.is_cuda and x.dim() == 2
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -21,15 +26,7 @@ class SiluAndMul(nn.Module):
         self.output_quantization = None
 
     def forward(self, x: torch.Tensor | ScaledOutput) -> torch.Tensor:
-        scales = None
-        if isinstance(x, ScaledOutput):
-            if x.raw.is_cuda and x.raw.dim() == 2:
-                x, scales = x.raw, (x.row_scales, x.col_scales)
-            else:
-                x = x.materialize()
-        quantization = self.output_quantization
-        if quantization is not None and not quantization.applies(x):
-            quantization = None
+        x, scales, quantization = reader_input(x, _fused, self.output_quantization)
         if quantization is not None:
             fused = quantization.silu_and_mul(x, scales)
             if fused is not None:

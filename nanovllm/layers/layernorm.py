@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import pointwise
-from nanovllm.layers.quantization.base import ScaledOutput
+from nanovllm.layers.quantization.base import ScaledOutput, reader_input
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,15 +35,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | ScaledOutput, residual: torch.Tensor | None = None):
         """Normalized x; with `residual`, (normalized x + residual, x + residual). One Triton kernel on a GPU,
         which also applies a ScaledOutput's scales (elsewhere it is materialized first)."""
-        scales = None
-        if isinstance(x, ScaledOutput):
-            if self._fused(x.raw):
-                x, scales = x.raw, (x.row_scales, x.col_scales)
-            else:
-                x = x.materialize()
-        quantization = self.output_quantization
-        if quantization is not None and not quantization.applies(x):
-            quantization = None
+        x, scales, quantization = reader_input(x, self._fused, self.output_quantization)
         if quantization is not None:
             fused = quantization.rms_norm(x, self.weight, self.eps, residual, scales)
             if fused is not None:

@@ -339,6 +339,28 @@ def test_gate_up_may_leave_its_output_scales_to_silu_and_mul(monkeypatch):
     assert (got.values.float() != expected.values.float()).float().mean() < 0.01     # an e4m3 rounding flipped at most
 
 
+def test_a_reader_takes_the_raw_product_and_its_scales_only_where_its_kernel_applies_them():
+    """reader_input, shared by RMSNorm and SiLU-and-mul: a ScaledOutput's raw values and (row, column) scales
+    where the reader's kernel applies them, its materialized value elsewhere; a plain tensor as it is; the
+    reader's output quantization dropped where it does not apply to the input."""
+    from nanovllm.layers.quantization.base import InputQuantization, ScaledOutput, reader_input
+    raw, rows, cols = torch.randn(4, 6), torch.rand(4) + 0.5, torch.rand(6) + 0.5
+    scaled = ScaledOutput(raw, rows, cols)
+    x, scales, quantization = reader_input(scaled, lambda t: t is raw, None)
+    assert x is raw and scales[0] is rows and scales[1] is cols and quantization is None
+    x, scales, _ = reader_input(scaled, lambda t: False, None)
+    assert scales is None and torch.equal(x, scaled.materialize())
+    plain = torch.randn(4, 6)
+
+    class Never(InputQuantization):
+        def applies(self, x):
+            return False
+    always, never = InputQuantization(), Never()
+    x, scales, quantization = reader_input(plain, lambda t: True, always)
+    assert x is plain and scales is None and quantization is always
+    assert reader_input(plain, lambda t: True, never)[2] is None
+
+
 def test_models_wire_fp8_inputs_only_where_one_projection_reads_them():
     """FP8 projections' producers write their input form; in the model's dtype nothing changes."""
     from transformers import Qwen3Config

@@ -54,6 +54,22 @@ class ScaledOutput(NamedTuple):
         return (self.raw.float() * self.row_scales[:, None] * self.col_scales[None, :]).to(self.raw.dtype)
 
 
+def reader_input(x: "torch.Tensor | ScaledOutput", kernel_applies, quantization: "InputQuantization | None"):
+    """What a reader of a GEMM's output (RMSNorm, SiLU-and-mul) works on: (x, scales, quantization). A
+    ScaledOutput gives its raw values and (row, column) scales where `kernel_applies(raw)` (the reader's
+    kernel applies them), else its materialized value; `quantization` (the reader's output_quantization)
+    comes back None where it does not apply to x."""
+    scales = None
+    if isinstance(x, ScaledOutput):
+        if kernel_applies(x.raw):
+            x, scales = x.raw, (x.row_scales, x.col_scales)
+        else:
+            x = x.materialize()
+    if quantization is not None and not quantization.applies(x):
+        quantization = None
+    return x, scales, quantization
+
+
 class InputQuantization:
     """How a scheme's layers want their input, for the module whose output a layer alone reads: that module
     calls the fused variant of its pass where one runs (None elsewhere), or quantizes its plain output."""
