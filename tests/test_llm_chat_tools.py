@@ -5,6 +5,8 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.chat_template import render_chat
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 TEMPLATE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
             "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %};{% endfor %}"

@@ -2,6 +2,8 @@ import pytest
 
 from nanovllm import SamplingParams
 
+pytestmark = pytest.mark.cpu_only     # validation only
+
 
 def test_defaults_and_greedy_zero_temperature():
     assert SamplingParams() == SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False)

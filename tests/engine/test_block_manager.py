@@ -5,6 +5,8 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
 from block_invariants import check_invariants
 
+pytestmark = pytest.mark.cpu_only     # host bookkeeping only
+
 BS = 4
 
 

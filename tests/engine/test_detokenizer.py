@@ -8,6 +8,8 @@ import pytest
 from nanovllm.engine.detokenizer import MAX_HELD, PROMPT_CONTEXT, IncrementalDetokenizer
 from token_groups import groups
 
+pytestmark = pytest.mark.cpu_only     # tokenizers only
+
 SENTENCE = " The quick brown fox jumps over the lazy dog."
 
 

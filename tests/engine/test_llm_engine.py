@@ -6,6 +6,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 

@@ -23,6 +23,8 @@ from nanovllm.engine.messages import CompletionUpdate
 from nanovllm.engine.output_processor import OutputProcessor
 from token_groups import groups
 
+pytestmark = pytest.mark.cpu_only     # tokenizers, and engines on device="cpu"
+
 FFFD = "\ufffd"
 NEVER = "a stop string that never shows up"
 

@@ -8,6 +8,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from oracle import load_hf_model, random_prompts
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):

@@ -6,6 +6,8 @@ from nanovllm import SamplingParams
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 
+pytestmark = pytest.mark.cpu_only     # host bookkeeping only
+
 BS = 4
 EOS = 0
 

@@ -13,6 +13,8 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 from block_invariants import check_invariants
 
+pytestmark = pytest.mark.cpu_only     # host bookkeeping only
+
 EOS = 0
 
 

@@ -2,6 +2,9 @@ import pickle
 
 from nanovllm import SamplingParams
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+import pytest
+
+pytestmark = pytest.mark.cpu_only     # host bookkeeping only
 
 
 def make(tokens, block_size=4, **kw):

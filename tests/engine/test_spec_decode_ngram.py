@@ -12,6 +12,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
 
+pytestmark = pytest.mark.cpu_only     # numpy drafts and host bookkeeping only
+
 
 def ngram(k: int, lookup_min: int, lookup_max: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,

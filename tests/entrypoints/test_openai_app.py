@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from nanovllm.entrypoints.openai_app import build_app  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cpu_only, pytest.mark.timeout(60)]     # a fake engine
 
 HAS_PROMPT_LOGPROBS = "prompt_logprobs" in SamplingParams.__dataclass_fields__
 CHAT = [{"role": "user", "content": "hi"}]

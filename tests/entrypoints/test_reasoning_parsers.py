@@ -7,6 +7,8 @@ import pytest
 from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS, DeepSeekR1ReasoningParser, \
     Qwen3ReasoningParser, held_prefix, reasoning_parser
 
+pytestmark = pytest.mark.cpu_only     # text parsing only
+
 QWEN3_THINKING_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 QWEN3_NO_THINKING_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from nanovllm.entrypoints.openai_app import build_app  # noqa: E402
 from nanovllm.entrypoints.server_state import ChatOptions  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cpu_only, pytest.mark.timeout(60)]     # a fake engine
 
 CHAT = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -6,7 +6,7 @@ import pytest
 
 from nanovllm.entrypoints.terminal_chat import ChatError, LocalChat, converse
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cpu_only, pytest.mark.timeout(60)]     # a fake engine
 
 
 class ScriptedBackend:

@@ -11,6 +11,8 @@ from nanovllm.entrypoints.reasoning_parsers import Qwen3ReasoningParser
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, \
     NamedToolCallParser, RequiredToolCallsParser, tool_parser
 
+pytestmark = pytest.mark.cpu_only     # text parsing only
+
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
 

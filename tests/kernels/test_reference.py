@@ -7,6 +7,8 @@ import torch
 
 from nanovllm.kernels.reference import flash_attn_varlen_func, flash_attn_with_kvcache
 
+pytestmark = pytest.mark.cpu_only     # the torch reference on CPU tensors
+
 
 def naive_decode(q, k_cache, v_cache, lens, table, scale, causal):
     """out[b, i, h] = softmax(scale * q[b, i, h] . k_j) v_j over sequence b's keys j, read slot by slot through

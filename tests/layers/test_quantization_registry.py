@@ -15,6 +15,8 @@ from nanovllm.config import Config
 from nanovllm.layers.quantization import (QUANTIZATION_METHODS, QuantizationMethod, register_quantization,
                                           warmup_token_counts)
 
+pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
+
 TOY = "passthrough"
 
 

@@ -10,7 +10,7 @@ from nanovllm.layers.rejection_sampler import (NO_DRAFT, DraftRows, RejectionSam
 from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors
 from sampling_reference import hf_probabilities, penalize
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.cpu_only, pytest.mark.timeout(120)]     # CPU tensors throughout
 
 V = 12                  # a small vocabulary: most tokens' counts are large enough for chi-square
 N = 5000                # sequences (draws) per law check

@@ -9,6 +9,8 @@ import torch
 
 from nanovllm.utils.cli_args import add_dataclass_options, dataclass_kwargs
 
+pytestmark = pytest.mark.cpu_only     # argument parsing only
+
 
 @dataclass
 class Settings:

@@ -5,6 +5,8 @@ import pytest
 
 from nanovllm.utils.stderr_fd import stderr_to
 
+pytestmark = pytest.mark.cpu_only     # file descriptors only
+
 
 def test_fd_2_goes_to_the_given_fd_and_comes_back(tmp_path, capfd):
     path = tmp_path / "err.txt"
