@@ -1,5 +1,6 @@
 """Hugging Face transformers as the oracle: greedy continuations of the same checkpoint, and the random
 token prompts both engines are given."""
+import inspect
 import random
 
 import torch
@@ -28,6 +29,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
         generated.append(token)
         if token == eos_token_id:
             break
-        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **_cache_of(model, out))
     return generated
+
+
+def _cache_of(model, out) -> dict:
+    """The step's KV cache as the next forward call takes it: `cache` from transformers 5.2x on (which deprecates
+    `past_key_values` and drops it in 5.40), `past_key_values` before (the GPU image's 5.17)."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
