@@ -36,6 +36,5 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 def _cache_of(model, out) -> dict:
     """The step's KV cache as the next forward call takes it: `cache` from transformers 5.2x on (which deprecates
     `past_key_values` and drops it in 5.40), `past_key_values` before (the GPU image's 5.17)."""
-    if "cache" in inspect.signature(model.forward).parameters:
-        return {"cache": out.cache}
-    return {"past_key_values": out.past_key_values}
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
