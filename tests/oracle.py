@@ -23,18 +23,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt_ids], device=device)
     out = model(input_ids=input_ids, use_cache=True)
+    cache_key = _cache_key(model)
     generated = []
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
         generated.append(token)
         if token == eos_token_id:
             break
-        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **_cache_of(model, out))
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **{cache_key: cache})
     return generated
 
 
-def _cache_of(model, out) -> dict:
-    """The step's KV cache as the next forward call takes it: `cache` from transformers 5.2x on (which deprecates
+def _cache_key(model) -> str:
+    """The argument the model's forward takes its KV cache by: `cache` from transformers 5.2x on (which deprecates
     `past_key_values` and drops it in 5.40), `past_key_values` before (the GPU image's 5.17)."""
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
