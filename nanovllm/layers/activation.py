@@ -31,5 +31,5 @@ class SiluAndMul(nn.Module):
             fused = quantization.silu_and_mul(x, scales)
             if fused is not None:
                 return fused
-        out = pointwise.silu_and_mul(x, scales) if x.is_cuda else silu_and_mul(x)
+        out = pointwise.silu_and_mul(x, scales) if _fused(x) else silu_and_mul(x)
         return out if quantization is None else quantization.quantize(out)
