@@ -84,7 +84,7 @@ def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
     kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * k.element_size()
     default = _default_config(HEAD_DIM, BLOCK_SIZE, q.device, cache_dtype, batch * KV_HEADS)
     splits = choose_num_splits(batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device),
-                               programs_per_sm=default["programs_per_sm"])
+                               programs_per_sm=default["programs_per_sm"], unsplit_per_sm=default.get("unsplit_per_sm"))
     if sweep:
         # decode_attention's keyword arguments; {}: the defaults (order=None: the sequences as they come)
         tiles = [dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=4, num_stages=3),
@@ -98,7 +98,8 @@ def bench_decode(lens, width, scatter, sweep, cache_dtype=DTYPE):
             fn = lambda: decode_attention(q, k, v, seqlens, table, **{"order": order, **config})
             used = config.get("num_splits") or choose_num_splits(
                 batch, KV_HEADS, table.shape[1] * BLOCK_SIZE, _sm_count(q.device),
-                programs_per_sm=config.get("programs_per_sm", default["programs_per_sm"]))
+                programs_per_sm=config.get("programs_per_sm", default["programs_per_sm"]),
+                unsplit_per_sm=default.get("unsplit_per_sm"))
             try:
                 diff = (fn().float() - expected).abs().max().item()
                 t = ms(fn, graph=True)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from nanovllm.engine.sampling_inputs import build_verify_tensors
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels.decode_attention import large_batch
+from nanovllm.kernels.decode_attention import large_batch, unsplit_batch
 from nanovllm.kernels.prefill_attention import SHORT_KEYS
 from nanovllm.layers.linear import dense_warmup_token_counts
 from nanovllm.layers.quantization import warmup_token_counts
@@ -107,17 +107,22 @@ def warmup_cached_paths(runner) -> None:
     runner.run([seq], True)
     seq.num_cached_tokens = block_size
     runner.run([seq], False)                # before any graph is captured: eager
-    # a batch large enough for decode attention's other tiles (eager steps: enforce_eager, a draft's)
+    # batches large enough for decode attention's other kernels (eager steps: enforce_eager, a draft's): a small
+    # batch's tiles unsplit (a bf16 cache on a GPU), then a large batch's tiles
     hf_configs = [c for c in (runner.config.hf_config, runner.config.draft_hf_config) if c is not None]
-    num_seqs = max(large_batch(max(1, c.num_key_value_heads // runner.world_size), runner.device,
-                               runner.config.kv_cache_dtype) for c in hf_configs)
-    if runner.world_size > 1:       # every rank runs the same steps (their collectives pair up), whatever its SMs
-        num_seqs = int(runner.tp.all_reduce(torch.tensor([num_seqs], device=runner.device), dist.ReduceOp.MAX).item())
-    if num_seqs <= runner.config.max_num_seqs:
-        seqs = [Sequence([0] * (block_size + 1), SamplingParams(), block_size) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.block_table, seq.num_cached_tokens = [0, 1], block_size
-        runner.run(seqs, False)
+    for first_batch in (unsplit_batch, large_batch):
+        num_seqs = max(first_batch(max(1, c.num_key_value_heads // runner.world_size), runner.device,
+                                   runner.config.kv_cache_dtype) or 0 for c in hf_configs)
+        if not num_seqs:            # no such kernel here (the same on every rank: one device type, one cache dtype)
+            continue
+        if runner.world_size > 1:   # every rank runs the same steps (their collectives pair up), whatever its SMs
+            num_seqs = int(runner.tp.all_reduce(torch.tensor([num_seqs], device=runner.device),
+                                                dist.ReduceOp.MAX).item())
+        if num_seqs <= runner.config.max_num_seqs:
+            seqs = [Sequence([0] * (block_size + 1), SamplingParams(), block_size) for _ in range(num_seqs)]
+            for seq in seqs:
+                seq.block_table, seq.num_cached_tokens = [0, 1], block_size
+            runner.run(seqs, False)
     if runner.draft is not None:
         _warm_eager_decodes(runner)
     # one token after a long cached prefix: the prefill kernel's tiles for long key ranges

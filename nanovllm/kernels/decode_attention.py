@@ -178,19 +178,29 @@ REDUCE_SPLITS = 64
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_tokens_per_split: int = 256,
-                      max_splits: int = REDUCE_SPLITS, programs_per_sm: int = 4) -> int:
+                      max_splits: int = REDUCE_SPLITS, programs_per_sm: int = 4,
+                      unsplit_per_sm: float | None = None) -> int:
     """Enough (sequence, kv head, split) programs for ~programs_per_sm per SM, each with >=
-    min_tokens_per_split keys."""
+    min_tokens_per_split keys; none split from unsplit_per_sm (sequence, kv head) programs an SM on."""
     programs = batch * num_kv_heads
+    if unsplit_per_sm is not None and programs >= unsplit_per_sm * num_sms:
+        return 1
     want = triton.cdiv(programs_per_sm * num_sms, programs)
     useful = max(1, max_context // min_tokens_per_split)
     return max(1, min(want, useful, max_splits))
 
 
+# A bf16 cache's small-batch tiles read unsplit from this many (sequence, kv head) programs an SM: the partials
+# and their reduce cost more than the SMs left idle by one 128-key program an SM in the last wave (H100,
+# bench.py's late contexts, 8 kv heads: 46 sequences 118.8 -> 111.1 us, 62 sequences 148.3 -> 134.4 us
+# unsplit against 2 splits; 36 sequences 2% faster; docs/benchmarks.md, sixteenth session).
+UNSPLIT_PROGRAMS_PER_SM = 2
+
+
 def _large_programs(device: torch.device, cache_dtype: torch.dtype) -> int:
     """The (sequence, kv head) programs from which a step takes a large batch's tiles: an fp8 cache's beyond
-    two an SM (below them, one-warp programs ~16 an SM), a bf16 cache's from four an SM (where
-    choose_num_splits stops splitting)."""
+    two an SM (below them, one-warp programs ~16 an SM), a bf16 cache's from four an SM (unsplit already
+    from UNSPLIT_PROGRAMS_PER_SM)."""
     sms = _sm_count(device)
     return 2 * sms + 1 if cache_dtype == torch.float8_e4m3fn else 4 * sms
 
@@ -198,6 +208,15 @@ def _large_programs(device: torch.device, cache_dtype: torch.dtype) -> int:
 def large_batch(num_kv_heads: int, device: torch.device, cache_dtype: torch.dtype) -> int:
     """The fewest sequences whose decode step takes a large batch's tiles (warm-up compiles both kinds)."""
     return -(-_large_programs(device, cache_dtype) // num_kv_heads)
+
+
+def unsplit_batch(num_kv_heads: int, device: torch.device, cache_dtype: torch.dtype) -> int | None:
+    """The fewest sequences whose decode step reads a small batch's tiles unsplit on a GPU (another compiled
+    kernel: warm-up runs it too), or None where small batches are split whatever their size (an fp8 cache;
+    the CPU's stand-in tiles)."""
+    if device.type != "cuda" or cache_dtype == torch.float8_e4m3fn:
+        return None
+    return -(-UNSPLIT_PROGRAMS_PER_SM * _sm_count(device) // num_kv_heads)
 
 
 def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype: torch.dtype,
@@ -223,7 +242,7 @@ def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype:
         # 8B shape, 11% on the 0.6B shape, 97 rows the same; split batches read slower
         return dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
     # H100, Qwen3-0.6B shape: 128/2 read ~3% (B=256 x 1024) to ~6% (B=8 x 8192) faster than 64/3
-    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=4)
+    return dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=4, unsplit_per_sm=UNSPLIT_PROGRAMS_PER_SM)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
@@ -250,7 +269,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     num_stages = num_stages or cfg["num_stages"]
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_table.shape[1] * page, _sm_count(q.device),
-                                       programs_per_sm=programs_per_sm or cfg["programs_per_sm"])
+                                       programs_per_sm=programs_per_sm or cfg["programs_per_sm"],
+                                       unsplit_per_sm=cfg.get("unsplit_per_sm"))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     out = torch.empty_like(q)

@@ -49,24 +49,29 @@ def test_the_verification_warm_up_samples_a_full_step(tiny_model, make_checkpoin
 
 
 @pytest.mark.parametrize("max_num_seqs, large", [(64, True), (4, False)])
-def test_the_cached_paths_warm_up_also_decodes_a_large_batch(tiny_model, monkeypatch, max_num_seqs, large):
+@pytest.mark.parametrize("unsplit", [None, 3])
+def test_the_cached_paths_warm_up_also_decodes_a_large_batch(tiny_model, monkeypatch, max_num_seqs, large, unsplit):
     """Besides a lone sequence's eager decode, one of the fewest sequences whose step takes decode attention's
     large-batch tiles (decode_attention.large_batch: on a GPU the other compiled kernel), where a step can
-    hold that many; the engine serves requests after it as before."""
+    hold that many, and before it, where there is one (a bf16 cache on a GPU: unsplit here, as on a GPU), one
+    of the fewest whose small-batch tiles read unsplit (decode_attention.unsplit_batch); the engine serves
+    requests after them as before."""
     with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=32,
              max_num_seqs=max_num_seqs) as llm:
         runner = llm.model_runner
         decodes = _record_decode_batches(runner, monkeypatch)
+        monkeypatch.setattr(warmup, "unsplit_batch", lambda *args: unsplit)
         warmup.warmup_cached_paths(runner)
         first = large_batch(llm.config.hf_config.num_key_value_heads, runner.device, llm.config.kv_cache_dtype)
-        assert first <= 64 and decodes == ([1, first] if large else [1])
+        assert first <= 64 and decodes == [1] + ([unsplit] if unsplit else []) + ([first] if large else [])
         out = llm.generate([[1, 2, 3, 4]] * 3, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         assert all(len(o["token_ids"]) == 4 for o in out)
 
 
-def test_tensor_parallel_ranks_warm_up_the_same_large_batch(tiny_model, monkeypatch):
-    """Ranks agree on the large batch (the most any of them needs: GPUs with other SM counts differ), so that
-    every rank runs the same steps and their collectives pair up."""
+@pytest.mark.parametrize("unsplit", [None, 3])
+def test_tensor_parallel_ranks_warm_up_the_same_large_batch(tiny_model, monkeypatch, unsplit):
+    """Ranks agree on the large batch and on the unsplit one (the most any of them needs: GPUs with other SM
+    counts differ), so that every rank runs the same steps and their collectives pair up."""
     with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=32,
              max_num_seqs=64) as llm:
         runner = llm.model_runner
@@ -81,10 +86,12 @@ def test_tensor_parallel_ranks_warm_up_the_same_large_batch(tiny_model, monkeypa
 
         monkeypatch.setattr(runner, "world_size", 2)
         monkeypatch.setattr(runner.tp, "all_reduce", all_reduce)
+        monkeypatch.setattr(warmup, "unsplit_batch", lambda *args: unsplit)
         warmup.warmup_cached_paths(runner)
         kv_heads = llm.config.hf_config.num_key_value_heads // 2
-        assert asked == [(large_batch(kv_heads, runner.device, llm.config.kv_cache_dtype), dist.ReduceOp.MAX)]
-        assert decodes == [1, 20]
+        large = (large_batch(kv_heads, runner.device, llm.config.kv_cache_dtype), dist.ReduceOp.MAX)
+        assert asked == ([(unsplit, dist.ReduceOp.MAX)] if unsplit else []) + [large]
+        assert decodes == ([1, 20, 20] if unsplit else [1, 20])
 
 
 def _record_decode_batches(runner, monkeypatch) -> list[int]:

@@ -8,7 +8,8 @@ import torch
 
 from nanovllm.kernels import flash_attn_with_kvcache, torch_flash_attn_with_kvcache
 from nanovllm.kernels import decode_attention as decode_attention_module
-from nanovllm.kernels.decode_attention import REDUCE_SPLITS, choose_num_splits, decode_attention, large_batch
+from nanovllm.kernels.decode_attention import (REDUCE_SPLITS, choose_num_splits, decode_attention, large_batch,
+                                                unsplit_batch)
 from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
@@ -121,6 +122,30 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 1, 1 << 20, 132) == 64      # capped
     # small fp8 batches run one-warp programs and want ~16 an SM: 16 x 8 kv heads -> 17 chunks
     assert choose_num_splits(16, 8, 16384, 132, programs_per_sm=16) == 17
+    # from unsplit_per_sm programs an SM on, none is split, however few that leaves an SM
+    assert choose_num_splits(33, 8, 8192, 132, unsplit_per_sm=2) == 1
+    assert choose_num_splits(33, 8, 8192, 132) == 2
+    assert choose_num_splits(32, 8, 8192, 132, unsplit_per_sm=2) == 3
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4, 1])
+def test_small_bf16_batches_read_unsplit_from_unsplit_batch_on(kv_heads, monkeypatch):
+    """A bf16 cache's small batches keep their tiles but stop splitting from UNSPLIT_PROGRAMS_PER_SM (sequence,
+    kv head) programs an SM, below the large batches' tiles; unsplit_batch (what warm-up runs besides a lone
+    sequence and a large batch) is the first such batch. An fp8 cache's small batches always split (one-warp
+    programs want ~16 an SM), and the CPU's stand-in tiles have no such batch."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setitem(decode_attention_module._SM_COUNT, 0, 132)       # an H100's SMs, without a GPU
+    config = lambda batch: decode_attention_module._default_config(128, 256, gpu, torch.bfloat16, batch * kv_heads)
+    splits = lambda batch: choose_num_splits(batch, kv_heads, 8192, 132, programs_per_sm=config(batch)["programs_per_sm"],
+                                             unsplit_per_sm=config(batch).get("unsplit_per_sm"))
+    first = unsplit_batch(kv_heads, gpu, torch.bfloat16)
+    assert first * kv_heads >= 2 * 132 > (first - 1) * kv_heads
+    assert first < large_batch(kv_heads, gpu, torch.bfloat16)
+    assert config(first) == config(first - 1) == config(1)              # the same tiles ...
+    assert splits(first) == 1 and splits(first - 1) > 1                 # ... unsplit from first on
+    assert unsplit_batch(kv_heads, gpu, torch.float8_e4m3fn) is None
+    assert unsplit_batch(kv_heads, torch.device("cpu"), torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -138,7 +163,9 @@ def test_large_batches_take_their_own_tiles_from_large_batch_on(kv_heads, cache_
     if cache_dtype == torch.bfloat16:
         assert config(first)["block_n"] == 64 and config(first - 1)["block_n"] == 128
         assert choose_num_splits(first, kv_heads, 8192, 132, programs_per_sm=config(first)["programs_per_sm"]) == 1
-        assert choose_num_splits(first - 1, kv_heads, 8192, 132, programs_per_sm=config(first)["programs_per_sm"]) == 2
+        small = config(first - 1)         # the small tiles just below: unsplit as well (from unsplit_batch on)
+        assert choose_num_splits(first - 1, kv_heads, 8192, 132, programs_per_sm=small["programs_per_sm"],
+                                 unsplit_per_sm=small["unsplit_per_sm"]) == 1
     else:
         assert config(first)["num_warps"] == 4 and config(first - 1)["num_warps"] == 1
 
