@@ -11,6 +11,7 @@ are most of the run's time, and a prefill step of a few recomputed sequences cos
 128,000 tokens: what one H100 holds for Qwen3-30B-A3B in bf16 (bench.py's KV line).
 """
 import argparse
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,6 +50,7 @@ def simulate(kv_tokens: int, block_size: int, num_seqs: int = 256, max_num_seqs:
 
 
 def main() -> None:
+    logging.getLogger(scheduler_module.__name__).setLevel(logging.ERROR)   # the first preemption's hint, every run
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-tokens", type=int, default=128_000)
     parser.add_argument("--block-size", default="256,32", help="comma-separated KV page sizes")

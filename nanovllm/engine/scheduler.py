@@ -1,11 +1,38 @@
+import logging
 from collections import deque
 from collections.abc import Iterable
+
+import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 WATERMARK = 0.01    # of the KV blocks, kept free when a waiting sequence starts beside running ones (vLLM v0's)
+
+logger = logging.getLogger(__name__)
+
+
+def kv_room_hint(config: Config, num_kvcache_blocks: int) -> str:
+    """What an engine logs at its first preemption: the KV cache's size, and the settings that give it more room
+    (those that apply to this config)."""
+    block_size = config.kvcache_block_size
+    ways = []
+    if block_size > 16 and getattr(config, "attention_backend", None) != "flash_attn":
+        ways.append(f"kvcache_block_size=16 (in {block_size}-token pages each running sequence leaves about "
+                    f"{block_size // 2} tokens of its last page unused)")
+    if getattr(config, "num_kvcache_blocks", -1) > 0:
+        ways.append("a larger num_kvcache_blocks")
+    elif getattr(config, "device", None) == "cuda":
+        ways.append(f"a larger gpu_memory_utilization (now {config.gpu_memory_utilization}) where the GPU runs "
+                    f"nothing else")
+    if getattr(config, "kv_cache_dtype", None) not in (None, torch.float8_e4m3fn):
+        ways.append("kv_cache_dtype='fp8' (half the bytes a token)")
+    ways.append("a larger tensor_parallel_size, or a smaller max_num_seqs")
+    return (f"the KV cache is full ({num_kvcache_blocks} blocks of {block_size} tokens, "
+            f"{num_kvcache_blocks * block_size} tokens): running sequences are preempted and recomputed later, "
+            f"which costs throughput (the engine's stats count them as num_preemptions; logged once). "
+            f"More room: " + "; ".join(ways) + ".")
 
 
 class Scheduler:
@@ -38,6 +65,7 @@ class Scheduler:
         self.eos_token_ids = config.eos_token_ids
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
+        self._config = config                   # for the first preemption's hint
         self.watermark_blocks = int(WATERMARK * num_kvcache_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -178,6 +206,8 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.num_preemptions == 1:
+            logger.warning(kv_room_hint(self._config, len(self.block_manager.blocks)))
 
     def launched(self, seqs: list[Sequence]) -> list[Sequence | None]:
         """The step is on the device: count its tokens as computed and give every sequence it samples

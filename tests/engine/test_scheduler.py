@@ -1,9 +1,11 @@
+import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from nanovllm import SamplingParams
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, kv_room_hint
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 
 pytestmark = pytest.mark.cpu_only     # host bookkeeping only
@@ -394,3 +396,36 @@ def test_abort_a_request_partly_prefilled_and_one_running():
     assert set(dropped) == {a, b} and list(s.waiting) == [c] and not s.running
     assert s.block_manager.num_free_blocks == 64
     assert run_to_the_end(s) == [c]
+
+
+def _config(**kw):
+    fields = dict(kvcache_block_size=256, attention_backend="triton", num_kvcache_blocks=-1, device="cuda",
+                  gpu_memory_utilization=0.9, kv_cache_dtype=torch.bfloat16)
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def test_the_kv_room_hint_names_what_gives_this_config_more_room():
+    hint = kv_room_hint(_config(), 500)
+    assert "500 blocks of 256 tokens, 128000 tokens" in hint
+    assert "kvcache_block_size=16" in hint and "about 128 tokens" in hint
+    assert "gpu_memory_utilization (now 0.9)" in hint and "kv_cache_dtype='fp8'" in hint
+    assert "num_kvcache_blocks" not in hint
+    # pages already small, or flash-attn's multiples of 256: no page size to suggest
+    assert "kvcache_block_size" not in kv_room_hint(_config(kvcache_block_size=16), 500)
+    assert "kvcache_block_size" not in kv_room_hint(_config(attention_backend="flash_attn"), 500)
+    assert "kv_cache_dtype" not in kv_room_hint(_config(kv_cache_dtype=torch.float8_e4m3fn), 500)
+    sized = kv_room_hint(_config(num_kvcache_blocks=500), 500)      # the user's own count sizes the cache
+    assert "a larger num_kvcache_blocks" in sized and "gpu_memory_utilization" not in sized
+    assert "gpu_memory_utilization" not in kv_room_hint(_config(device="cpu"), 500)
+
+
+def test_the_first_preemption_logs_the_hint_once(caplog):
+    s = scheduler(num_blocks=2)
+    a, b = seq(4), seq(4, first=100)        # a block each; each needs a second to grow
+    s.add(a), s.add(b)
+    with caplog.at_level(logging.WARNING, logger="nanovllm.engine.scheduler"):
+        for _ in range(6):
+            run_step(s)
+    assert s.num_preemptions >= 2
+    hints = [r for r in caplog.records if "the KV cache is full" in r.getMessage()]
+    assert len(hints) == 1 and "2 blocks of 4 tokens" in hints[0].getMessage()
