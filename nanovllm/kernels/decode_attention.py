@@ -213,10 +213,9 @@ def large_batch(num_kv_heads: int, device: torch.device, cache_dtype: torch.dtyp
 def unsplit_batch(num_kv_heads: int, device: torch.device, cache_dtype: torch.dtype) -> int | None:
     """The fewest sequences whose decode step reads a small batch's tiles unsplit on a GPU (another compiled
     kernel: warm-up runs it too), or None where small batches are split whatever their size (an fp8 cache;
-    the CPU's stand-in tiles)."""
-    if device.type != "cuda" or cache_dtype == torch.float8_e4m3fn:
-        return None
-    return -(-UNSPLIT_PROGRAMS_PER_SM * _sm_count(device) // num_kv_heads)
+    the CPU's stand-in tiles): as _default_config's small-batch tiles say."""
+    per_sm = _default_config(128, 0, device, cache_dtype).get("unsplit_per_sm")
+    return None if per_sm is None else -(-per_sm * _sm_count(device) // num_kv_heads)
 
 
 def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype: torch.dtype,
