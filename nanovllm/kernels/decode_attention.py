@@ -233,8 +233,10 @@ def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype:
             return dict(block_n=32, num_warps=1, num_stages=3, programs_per_sm=16)
         # H100: 3 stages 2-3% faster than 2; 256-key tiles 5-10% slower. One-warp tiles also read a large
         # batch of equal lengths faster, but with bench.py's spread of lengths a long sequence's program
-        # runs as long as the whole kernel: 13-17% slower (docs/benchmarks.md)
-        return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4)
+        # runs as long as the whole kernel: 13-17% slower (docs/benchmarks.md). Unsplit as a bf16 cache's
+        # small tiles: 36-64 sequences of 8 kv heads 2-13% faster than 2 splits (H100, seventeenth session)
+        return dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4,
+                    unsplit_per_sm=UNSPLIT_PROGRAMS_PER_SM)
     if large:
         # H100, bench.py's standard contexts, longest first: 64-key tiles (64 KB of K/V in flight where
         # 128-key tiles hold 128 KB) leave room for three programs an SM: 256 rows 1-2.5% faster on the

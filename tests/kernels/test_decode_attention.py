@@ -153,7 +153,8 @@ def test_small_bf16_batches_read_unsplit_from_unsplit_batch_on(kv_heads, monkeyp
 def test_large_batches_take_their_own_tiles_from_large_batch_on(kv_heads, cache_dtype, monkeypatch):
     """A GPU's tiles by the step's (sequence, kv head) programs, two kinds for each cache dtype; large_batch (what
     warm-up compiles beside a lone sequence) is the first batch of the second kind. A bf16 cache's large
-    batches read 64-key tiles unsplit; an fp8 cache's small ones run one-warp programs."""
+    batches read 64-key tiles unsplit; an fp8 cache's small ones run one-warp programs, its large ones read
+    128-key tiles unsplit."""
     gpu = torch.device("cuda", 0)
     monkeypatch.setitem(decode_attention_module._SM_COUNT, 0, 132)       # an H100's SMs, without a GPU
     config = lambda batch: decode_attention_module._default_config(128, 256, gpu, cache_dtype, batch * kv_heads)
@@ -168,6 +169,10 @@ def test_large_batches_take_their_own_tiles_from_large_batch_on(kv_heads, cache_
                                  unsplit_per_sm=small["unsplit_per_sm"]) == 1
     else:
         assert config(first)["num_warps"] == 4 and config(first - 1)["num_warps"] == 1
+        # its large tiles read unsplit from the first large batch on (2 splits were 2-13% slower on an H100)
+        large = config(first)
+        assert choose_num_splits(first, kv_heads, 8192, 132, programs_per_sm=large["programs_per_sm"],
+                                 unsplit_per_sm=large.get("unsplit_per_sm")) == 1
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
