@@ -93,9 +93,10 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to pick each request's tokens, with vLLM's names and meanings.
 
-    Processing order for a step's logits: penalties (repetition over prompt + output, presence and
-    frequency over the output) -> temperature -> min_p -> top_k -> top_p -> draw. temperature 0.0 is
-    greedy (after the penalties). logprobs come from the raw logits.
+    Processing order for a step's logits: allowed_token_ids (every other token -inf) -> logit_bias (added
+    to the logits) -> penalties (repetition over prompt + output, presence and frequency over the output)
+    -> temperature -> min_p -> top_k -> top_p -> draw, as vLLM's sampler orders them. temperature 0.0 is
+    greedy (after those edits). logprobs come from the raw logits.
     """
     n: int = 1
     temperature: float = 1.0
@@ -116,6 +117,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None   # a dict is taken too
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit (str keys of digits too)
+    allowed_token_ids: list[int] | None = None      # only these tokens may be sampled
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -147,6 +150,7 @@ class SamplingParams:
             self.top_k = 0
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        self._check_logit_edits()
 
     def _check_ranges(self) -> None:
         if self.n < 1:
@@ -189,6 +193,34 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
 
+    def _check_logit_edits(self) -> None:
+        """logit_bias as {int id: float} (JSON's string keys of digits are read as ids), allowed_token_ids
+        as a non-empty list of ids; whether the ids are in the vocabulary is the engine's check."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.strip().isdigit():
+                    token = int(token)
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not _is_number(value):
+                    raise TypeError(f"logit_bias[{token}] must be a number, got {value!r}")
+                if value != value or value in (float("inf"), float("-inf")):
+                    raise ValueError(f"logit_bias[{token}] must be finite, got {value!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, (list, tuple))
+                    or not all(_is_int(t) for t in self.allowed_token_ids)):
+                raise TypeError(f"allowed_token_ids must be a list of ints, got {self.allowed_token_ids!r}")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None: every token)")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be token ids >= 0, got {self.allowed_token_ids}")
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -196,6 +228,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def edits_logits(self) -> bool:
+        """allowed_token_ids or logit_bias: the logits are edited before penalties (greedy too)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_filters(self) -> bool:

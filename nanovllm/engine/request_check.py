@@ -58,6 +58,11 @@ def check_request(token_ids: list[int], sampling_params: SamplingParams, limits:
     bad = [t for t in sampling_params.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
+    for name, ids in (("logit_bias", sampling_params.logit_bias or ()),
+                      ("allowed_token_ids", sampling_params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
     check_structured_outputs(sampling_params.structured_outputs)
     longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
     if (longest + limits.block_size - 1) // limits.block_size > limits.num_blocks:

@@ -32,8 +32,9 @@ def seeded_key(seed: int, index: int, position: int) -> int:
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
-    """Greedy, and nothing that edits or reports on the logits but min_tokens' bans (penalties, log-probs)."""
-    return p.greedy and p.logprobs is None and not p.has_penalties
+    """Greedy, and nothing that edits or reports on the logits but min_tokens' bans (allowed tokens, logit
+    bias, penalties, log-probs)."""
+    return p.greedy and p.logprobs is None and not p.has_penalties and not p.edits_logits
 
 
 def argmax_suffices(seqs: list[Sequence]) -> bool:
@@ -112,6 +113,9 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
         if banned_rows:
             tensors.banned = tuple(to_device(np.array(a, dtype=np.int64), device) for a in (banned_rows, banned_ids))
 
+    if any(p.edits_logits for p in distinct):
+        _logit_edits(tensors, params, device)
+
     state_rows = None
     if any(p.has_penalties for p in distinct):
         # rows that sample a token (not a prompt chunk whose token is thrown away)
@@ -134,6 +138,35 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
     # argmax_suffices, from the distinct params (min_tokens: no row is banned anything)
     tensors.argmax_only = tensors.banned is None and all(_plain_greedy(p) for p in distinct)
     return tensors, state_rows
+
+
+def _logit_edits(tensors: SamplingTensors, params: list[SamplingParams], device: torch.device) -> None:
+    """tensors.allowed and tensors.bias for the rows whose params have allowed_token_ids or logit_bias
+    (each distinct params' arrays made once a step)."""
+    arrays = {}
+    for p in params:
+        if id(p) not in arrays:
+            bias = p.logit_bias or {}
+            arrays[id(p)] = (np.array(p.allowed_token_ids or [], dtype=np.int64),
+                             np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+                             np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
+    allowed_rows, listed, allowed_ids, bias_rows, bias_ids, bias_values = [], [], [], [], [], []
+    for i, p in enumerate(params):
+        allowed, ids, values = arrays[id(p)]
+        if allowed.size:
+            listed.append(np.full(allowed.size, len(allowed_rows), dtype=np.int64))
+            allowed_rows.append(i)
+            allowed_ids.append(allowed)
+        if ids.size:
+            bias_rows.append(np.full(ids.size, i, dtype=np.int64))
+            bias_ids.append(ids)
+            bias_values.append(values)
+    if allowed_rows:
+        tensors.allowed = tuple(arrays_to_device(
+            [np.array(allowed_rows, dtype=np.int64), np.concatenate(listed), np.concatenate(allowed_ids)], device))
+    if bias_rows:
+        tensors.bias = tuple(arrays_to_device(
+            [np.concatenate(bias_rows), np.concatenate(bias_ids), np.concatenate(bias_values)], device))
 
 
 def build_verify_tensors(seqs: list[Sequence], drafts: list[list[int]], vocab_size: int,

@@ -44,8 +44,10 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None      # token id (as text) -> bias, clamped to [-100, 100]
     user: str | None = None
     # vLLM's extras
+    allowed_token_ids: list[int] | None = None
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -79,6 +81,21 @@ class SamplingRequest(RequestModel):
             raise ValueError("must be token ids >= 0")
         return ids
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias):
+        """OpenAI's: token ids as JSON keys, each bias clamped to [-100, 100] (as vLLM does)."""
+        if bias is None:
+            return None
+        clamped = {}
+        for token, value in bias.items():
+            if not token.strip().isdigit():
+                raise ValueError(f"keys must be token ids (integers as strings), got {token!r}")
+            if value != value:
+                raise ValueError(f"bias of token {token} must be a number, got {value}")
+            clamped[int(token)] = min(100.0, max(-100.0, value))
+        return clamped
+
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
@@ -106,7 +123,8 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"), skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=structured_outputs, **extra)
+            structured_outputs=structured_outputs, logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids, **extra)
 
 
 class CompletionRequest(SamplingRequest):
@@ -118,7 +136,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -141,8 +158,6 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of is not supported (other than best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
     @property

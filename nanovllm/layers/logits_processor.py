@@ -28,6 +28,19 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.
     logits[rows] = x.to(logits.dtype)
 
 
+def keep_only(logits: torch.Tensor, rows: torch.Tensor, listed_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """allowed_token_ids: every logit of row rows[i] -inf but those of the tokens listed for it, where
+    (listed_rows[j], token_ids[j]) lists token_ids[j] for rows[listed_rows[j]]."""
+    keep = torch.zeros(rows.numel(), logits.size(1), dtype=torch.bool, device=logits.device)
+    keep[listed_rows, token_ids] = True
+    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+
+
+def add_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> None:
+    """logit_bias: logits[rows[i], token_ids[i]] += values[i] (in the logits' dtype; each pair once)."""
+    logits[rows, token_ids] += values.to(logits.dtype)
+
+
 def ban_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
     """logits[rows[i], token_ids[i]] = -inf (eos and stop tokens before min_tokens)."""
     logits[rows, token_ids] = float("-inf")

@@ -7,7 +7,7 @@ from torch import nn
 from nanovllm.kernels import penalties as penalty_kernels
 from nanovllm.kernels import sampling as kernels
 from nanovllm.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
-from nanovllm.layers.logits_processor import (apply_penalties, ban_tokens, keep_at_least,
+from nanovllm.layers.logits_processor import (add_bias, apply_penalties, ban_tokens, keep_at_least, keep_only,
                                               thresholds_from_candidates)
 
 
@@ -37,12 +37,21 @@ class SamplingTensors:
     max_logprobs: int | None = None     # the most top log-probs a row asks for; None: no row asks
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) set to -inf
+    # allowed_token_ids: (rows [a], listed_rows [m], token ids [m]): a row's unlisted tokens get -inf
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # logit_bias: (rows, token ids, values)
     logits_rows: torch.Tensor | None = None     # the logits row of each sampled row (n > 1 repeats one)
     # structured outputs: (bitmask [r, words] int32, rows [r] int32): tokens whose bit is 0 get -inf
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     # every row greedy, nothing edited or reported (sampling_inputs.argmax_suffices): a row's token is its
     # argmax, one launch instead of the sampler's kernels
     argmax_only: bool = False
+
+    @property
+    def edits(self) -> bool:
+        """Whether anything edits the logits after the mask (and after the raw log-probs are read)."""
+        return (self.allowed is not None or self.bias is not None or self.penalties is not None
+                or self.banned is not None)
 
 
 @dataclass
@@ -72,9 +81,9 @@ class Sampler(nn.Module):
 
     def warmup(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile every kernel variant for the model's logits dtype now (filters or not, log-probs or
-        not, the exact search, log-probs of logits that penalties or min_tokens edit, the penalties and
-        the count of the penalized rows' tokens), so that the first request asking for one does not wait
-        for Triton. The penalty state here has the engine's shapes and dtypes (PenaltyState's)."""
+        not, the exact search, log-probs of logits that allowed tokens, a bias, penalties or min_tokens edit,
+        the penalties and the count of the penalized rows' tokens), so that the first request asking for one
+        does not wait for Triton. The penalty state here has the engine's shapes and dtypes (PenaltyState's)."""
         logits = torch.randn(2, vocab_size, device=device).to(dtype)
         rows = torch.arange(2, dtype=torch.int32, device=device)
         state_rows = torch.tensor([1, 0], device=device)
@@ -90,6 +99,8 @@ class Sampler(nn.Module):
                 t.top_p, t.min_p, t.filter_rows = torch.tensor([0.5, 1.0], device=device), torch.zeros(2, device=device), rows
             if edits:       # log-probs then come from the raw logits' candidates, apart from the draw
                 t.banned = (rows.long(), torch.zeros(2, dtype=torch.int64, device=device))
+                t.allowed = (rows[:1].long(), torch.zeros(2, dtype=torch.int64, device=device), rows.long())
+                t.bias = (rows.long(), rows.long(), torch.full((2,), 0.5, device=device))
                 t.penalties = Penalties(rows=rows.long(), state_rows=state_rows, prompt_mask=prompt_mask,
                                         output_counts=output_counts, repetition=torch.full((2,), 1.1, device=device),
                                         frequency=torch.full((2,), 0.5, device=device),
@@ -112,7 +123,7 @@ class Sampler(nn.Module):
         on_kernels = self._on_kernels(logits)
         self._mask(logits, tensors, on_kernels)
         raw = logits
-        edits = tensors.penalties is not None or tensors.banned is not None
+        edits = tensors.edits
         num_top = tensors.max_logprobs
         if edits and num_top is not None:
             logits = logits.clone()     # the edits are in place; log-probs need the raw values
@@ -164,7 +175,11 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _edit(logits: torch.Tensor, tensors: SamplingTensors, on_kernels: bool) -> None:
-        """Penalties, then banned tokens, in place."""
+        """allowed_token_ids, logit_bias, penalties, then banned tokens, in place."""
+        if tensors.allowed is not None:
+            keep_only(logits, *tensors.allowed)
+        if tensors.bias is not None:
+            add_bias(logits, *tensors.bias)
         if tensors.penalties is not None:
             p = tensors.penalties
             penalize = penalty_kernels.apply_penalties if on_kernels else apply_penalties
@@ -175,7 +190,7 @@ class Sampler(nn.Module):
 
     def probabilities(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
         """[rows, vocab] float32: the law forward() draws each row's token from, written out (speculative
-        decoding's rejection sampler weighs drafts with it): the mask, penalties and banned tokens, then
+        decoding's rejection sampler weighs drafts with it): the mask and _edit's edits, then
         softmax(x / T) over the tokens min_p, top_k and top_p keep (the same thresholds); a greedy row is
         one-hot at its argmax. The logits are left as they were."""
         if tensors.logits_rows is not None:

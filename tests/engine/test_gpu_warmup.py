@@ -17,6 +17,8 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=0.6), dict(temperature=0.6, 
             dict(temperature=0.6, repetition_penalty=1.2, logprobs=3), dict(temperature=0.6, seed=7),
             dict(temperature=0.8, n=3, top_k=50), dict(temperature=0.6, min_tokens=4),
             dict(temperature=0.6, stop=["a"], top_p=0.9, logprobs=2),
+            dict(temperature=0.0, logit_bias={5: 2.0, 9: -1.0}),
+            dict(temperature=0.7, top_k=20, allowed_token_ids=list(range(50, 300)), logit_bias={60: 1.5}, logprobs=3),
             # structured outputs: the token-mask kernel, alone and beside penalties and log-probs
             dict(temperature=0.6, structured_outputs={"regex": "[a-z ]{1,40}"}),
             dict(temperature=0.0, logprobs=2, repetition_penalty=1.1, n=2,

@@ -10,6 +10,7 @@ Specified here:
   * stop_token_ids end a request like eos; min_tokens bans them (and eos) until that many tokens exist;
   * n: completions share the prompt's prefill and its full KV blocks (BlockManager.fork);
   * penalties: repetition as transformers' generate(), presence / frequency as a hand-written reference;
+  * allowed_token_ids and logit_bias edit the logits before the penalties (greedy too), never the log-probs;
   * batching, chunked prefill and preemption change no seeded or greedy output (log-probs included);
   * the output dict: finish_reason, stop_reason, prompt_token_ids, outputs[0] on top;
   * SamplingParams rejects bad values, naming the field.
@@ -579,8 +580,67 @@ def test_penalized_greedy_twins_each_follow_the_reference(llm, hf):
     assert [c["token_ids"] for c in out["outputs"]] == [expected, expected]
 
 
+# ---- 6b. allowed_token_ids and logit_bias -----------------------------------------------------------------
+ALLOWED = list(range(100, 140))
+BIAS = {101: 2.5, 117: -3.0, 139: 4.0, 400: 1.0}
+
+
+@torch.inference_mode()
+def greedy_with_edits(model, prompt_ids, max_tokens, allowed=None, bias=None, repetition=1.0):
+    """Argmax decoding, the whole context recomputed every step, the last logits edited as vLLM orders
+    it: every token outside `allowed` -inf, then `bias` added, then the repetition penalty."""
+    output = []
+    for _ in range(max_tokens):
+        logits = model(input_ids=torch.tensor([prompt_ids + output])).logits[0, -1].float()
+        if allowed is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[allowed] = 0.0
+            logits = logits + keep
+        for token, value in (bias or {}).items():
+            logits[token] += value
+        seen = torch.tensor(sorted(set(prompt_ids + output)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+        output.append(int(logits.argmax()))
+    return output
+
+
+def test_allowed_token_ids_and_logit_bias_steer_greedy_as_the_reference(llm, hf):
+    outs = llm.generate(PENALTY_PROMPTS, [greedy(12, allowed_token_ids=ALLOWED), greedy(12, logit_bias=BIAS),
+                                          greedy(12, allowed_token_ids=ALLOWED, logit_bias=BIAS,
+                                                 repetition_penalty=1.4)], use_tqdm=False)
+    expected = [greedy_with_edits(hf, PENALTY_PROMPTS[0], 12, allowed=ALLOWED),
+                greedy_with_edits(hf, PENALTY_PROMPTS[1], 12, bias=BIAS),
+                greedy_with_edits(hf, PENALTY_PROMPTS[2], 12, allowed=ALLOWED, bias=BIAS, repetition=1.4)]
+    assert ids(outs) == expected
+    assert set(expected[0]) <= set(ALLOWED) and set(expected[2]) <= set(ALLOWED)
+    assert expected[1] != ids(llm.generate(PENALTY_PROMPTS[1:2], greedy(12), use_tqdm=False))[0]   # it mattered
+
+
+def test_sampled_tokens_stay_in_allowed_token_ids_and_logprobs_stay_raw(llm, hf):
+    """Sampled with filters, n completions: every token is an allowed one, a +100 bias makes its token
+    all but certain, and the log-probs are still those of the raw logits (teacher-forced)."""
+    prompt = PENALTY_PROMPTS[0]
+    params = sampled(16, n=3, top_p=0.95, top_k=30, allowed_token_ids=ALLOWED, logit_bias={123: 100.0},
+                     logprobs=2, seed=31)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    for completion in out["outputs"]:
+        assert set(completion["token_ids"]) == {123}
+        assert_logprobs_match(completion, prompt, 2, hf)
+    many = llm.generate([prompt], sampled(40, n=2, allowed_token_ids=[7, 300, 450], seed=32), use_tqdm=False)[0]
+    tokens = [t for c in many["outputs"] for t in c["token_ids"]]
+    assert set(tokens) == {7, 300, 450}
+
+
+def test_out_of_vocabulary_logit_bias_or_allowed_token_ids_are_refused_up_front(llm):
+    for params in (greedy(4, logit_bias={VOCAB: 1.0}), greedy(4, allowed_token_ids=[3, VOCAB + 5])):
+        with pytest.raises(ValueError, match="logit_bias|allowed_token_ids"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert len(llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)[0]["token_ids"]) == 4   # still usable
+    assert_idle(llm)
+
+
 # ---- everything at once: batching, chunked prefill and preemption change no deterministic output ------
-MIXED_PROMPTS = random_prompts(6, VOCAB, (10, 30), seed=601)
+MIXED_PROMPTS = random_prompts(7, VOCAB, (10, 30), seed=601)
 MIXED_PARAMS = [
     sampled(14, seed=21, logprobs=3),
     greedy(14, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logprobs=2),
@@ -588,6 +648,7 @@ MIXED_PARAMS = [
     SamplingParams(temperature=1.0, seed=23, max_tokens=14, min_tokens=5, stop_token_ids=list(range(200))),
     sampled(12, seed=24, repetition_penalty=1.5, presence_penalty=1.0, top_p=0.8),
     sampled(12, frequency_penalty=0.3),         # unseeded: only its length is checked
+    sampled(12, seed=25, allowed_token_ids=list(range(60, 200)), logit_bias={70: 2.0, 150: -4.0}, logprobs=2),
 ]
 
 
@@ -647,6 +708,10 @@ def test_length_finish_and_the_output_fields(llm, tiny_tokenizer):
     (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(max_tokens=0), "max_tokens"), (dict(n=1.0), "n"), (dict(logprobs=True), "logprobs"),
+    (dict(logit_bias={"a": 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={1: float("inf")}), "logit_bias"), (dict(logit_bias={1: "x"}), "logit_bias"),
+    (dict(logit_bias=[1]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-2]), "allowed_token_ids"), (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
 ])
 def test_bad_sampling_params_are_refused_naming_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=field):

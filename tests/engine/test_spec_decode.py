@@ -188,10 +188,12 @@ SEEDED = [
     dict(temperature=1.0, top_k=8, top_p=0.9, seed=2),
     dict(temperature=0.3, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.05, presence_penalty=0.05, seed=3),
     dict(temperature=0.9, top_k=5, min_tokens=12, stop_token_ids=[12, 41, 302], seed=4),
+    dict(temperature=0.7, allowed_token_ids=list(range(64)) + list(range(300, 320)),
+         logit_bias={7: 2.0, 12: 1.5, 41: -1.0, 303: 3.0}, repetition_penalty=1.1, seed=5),
 ]
 
 
-@pytest.mark.parametrize("settings", SEEDED, ids=["plain", "filters", "penalties", "min_tokens"])
+@pytest.mark.parametrize("settings", SEEDED, ids=["plain", "filters", "penalties", "min_tokens", "allowed_bias"])
 def test_seeded_sampling_draws_the_same_tokens_as_plain_decoding(spec3, plain, settings):
     """Each position is verified by a draw with plain decoding's key (seed, index, position) from plain
     decoding's law given the drafts before it (penalties count them, min_tokens too): a seeded request

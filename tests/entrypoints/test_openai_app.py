@@ -101,6 +101,13 @@ def test_sampling_defaults_and_overrides(client, fake_engine):
     assert (second.temperature, second.top_p, second.top_k, second.seed) == (0.0, 0.9, 5, 3)
     assert second.ignore_eos and second.stop_token_ids == [7] and second.min_tokens == 1
     assert chat.max_tokens == 4                                 # max_completion_tokens wins
+    assert first.logit_bias is None and first.allowed_token_ids is None
+    client.post("/v1/completions", json={"prompt": "c", "max_tokens": 2, "logit_bias": {"5": 1.5, "9": -250},
+                                         "allowed_token_ids": [9, 5, 11]})
+    client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "logit_bias": {"7": 300}})
+    biased, biased_chat = list(fake_engine.requests.values())[4:]
+    assert biased.logit_bias == {5: 1.5, 9: -100.0} and biased.allowed_token_ids == [5, 9, 11]   # clamped
+    assert biased_chat.logit_bias == {7: 100.0}
     prompt_len = len(fake_engine.chat_prompt(CHAT))
     assert unbounded.max_tokens == fake_engine.max_model_len - prompt_len     # up to max_model_len
 
@@ -234,6 +241,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, None),
     ({"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 400, None),
     ({"prompt": "a", "best_of": 3}, 400, None),
+    ({"prompt": "a", "logit_bias": {"x1": 2}}, 400, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": "up"}}, 400, "logit_bias.1"),
+    ({"prompt": "a", "allowed_token_ids": []}, 400, None),        # SamplingParams refuses it
+    ({"prompt": "a", "allowed_token_ids": [1, "b"]}, 400, "allowed_token_ids.1"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x" * 100}, 400, None),                       # longer than max_model_len
     ({"prompt": [[1, 2], [999]]}, 400, None),                 # a token id outside the vocabulary

@@ -1,6 +1,7 @@
 """`nanovllm serve` as its users reach it: a subprocess on the tiny checkpoint, driven by the official
 openai client (sync and async) and raw HTTP. Greedy answers equal the offline LLM's; streamed chunks add
-up to the non-streamed text; echo's prompt log-probs equal transformers'; 32 concurrent streams; a client
+up to the non-streamed text; echo's prompt log-probs equal transformers'; logit_bias and allowed_token_ids as
+offline; 32 concurrent streams; a client
 that leaves frees its blocks; bad requests get 4xx and the server keeps serving."""
 import asyncio
 import json
@@ -135,6 +136,26 @@ def test_logprobs(server, llm):
                for t in content)
 
 
+def test_logit_bias_and_allowed_token_ids(server, llm):
+    """OpenAI's logit_bias (token ids as JSON keys, clamped to [-100, 100]) on completions and chat, and
+    vLLM's allowed_token_ids, as the offline LLM takes them; the client sends them as the SDK does."""
+    api = client(server)
+    model = server_model(server)
+    plain = offline(llm, "Hello", **GREEDY)["token_ids"]
+    banned = {str(plain[0]): -100}                       # the greedy first token, banned in effect
+    biased = api.completions.create(model=model, prompt="Hello", logit_bias=banned, **GREEDY)
+    expected = offline(llm, "Hello", logit_bias={plain[0]: -100.0}, **GREEDY)
+    assert biased.choices[0].text == expected["text"] and expected["token_ids"][0] != plain[0]
+    forced = api.chat.completions.create(model=model, messages=CHAT, logit_bias={"42": 500}, max_tokens=4,
+                                         temperature=1.0, seed=3)      # 500 clamped to 100: still all 42s
+    assert forced.choices[0].message.content == llm.tokenizer.decode([42] * 4)
+    allowed = [10, 20, 30, 40]
+    out = api.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=1.0, seed=5,
+                                 extra_body={"allowed_token_ids": allowed})
+    assert out.choices[0].text == offline(llm, "Hello", max_tokens=6, temperature=1.0, seed=5,
+                                          allowed_token_ids=allowed)["text"]
+
+
 @pytest.mark.skipif(not HAS_PROMPT_LOGPROBS, reason="SamplingParams has no prompt_logprobs yet")
 def test_echo_prompt_logprobs_match_transformers(server, tiny_model):
     """lm-eval's loglikelihood request: echo + logprobs + max_tokens=0 on token ids."""
@@ -238,6 +259,9 @@ BAD = [
     ({"prompt": "a", "model": "no-such-model"}, 404),
     ({"prompt": "word " * 600}, 400),                                 # longer than max_model_len
     ({"prompt": [1, 2, 10 ** 6]}, 400),                               # outside the vocabulary
+    ({"prompt": "a", "logit_bias": {"1000000": 5}}, 400),             # a bias outside the vocabulary
+    ({"prompt": "a", "logit_bias": {"the": 5}}, 400),                 # a key that is no token id
+    ({"prompt": "a", "allowed_token_ids": []}, 400),
     ({"prompt": "word " * 600, "stream": True}, 400),                 # refused before the stream starts
 ]
 

@@ -210,3 +210,45 @@ def test_logprobs_of_flat_rows_are_a_true_top_k_on_the_kernel_path(how):
     assert out.top_token_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [610, 630, 620, 0, 1]]
     torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1),
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_allowed_tokens_then_logit_bias_come_before_penalties_and_log_probs_stay_raw(path):
+    """Row 0 may only draw tokens 3, 7 and 11 (whatever its filters and temperature); row 1's bias lifts a
+    low token above the rest (greedy follows the bias); row 2 is untouched. The edits come before the
+    penalties (a penalty sees the biased logit, as in vLLM's sampler) and log-probs are of the raw logits."""
+    torch.manual_seed(9)
+    logits = torch.randn(3, 200, device=DEVICE) * 2
+    raw = logits.clone()
+    low = int(logits[1].argmin())
+    allowed = (torch.tensor([0], device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE),
+               torch.tensor([3, 7, 11], device=DEVICE))
+    bias = (torch.tensor([1, 1], device=DEVICE), torch.tensor([low, 5], device=DEVICE),
+            torch.tensor([60.0, -1.5], device=DEVICE))
+    penalties = Penalties(rows=torch.tensor([1], device=DEVICE), state_rows=torch.tensor([0], device=DEVICE),
+                          prompt_mask=torch.zeros(1, 200, dtype=torch.bool, device=DEVICE),
+                          output_counts=torch.zeros(1, 200, dtype=torch.int32, device=DEVICE),
+                          repetition=torch.tensor([2.0], device=DEVICE), frequency=torch.zeros(1, device=DEVICE),
+                          presence=torch.zeros(1, device=DEVICE))
+    penalties.output_counts[0, low] = 1     # the bias (+60) then the repetition penalty (halves it): still first
+    sampler = Sampler(PATHS[path])
+    drawn = set()
+    for seed in range(40):
+        t = tensors_for(3, temperature=1.5, top_k=150, keys=torch.full((3,), seed, device=DEVICE),
+                        allowed=allowed, bias=bias, penalties=penalties, max_logprobs=2)
+        t.temperatures[1] = 0.0
+        out = sampler(logits, t)
+        drawn.add(int(out.token_ids[0]))
+        assert int(out.token_ids[1]) == low
+        reference = torch.log_softmax(raw.float(), -1)      # raw: neither the mask nor the bias
+        torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1),
+                                   atol=1e-4, rtol=0)
+        assert torch.equal(logits, raw)
+    assert drawn == {3, 7, 11}
+    expected = raw.clone()
+    expected[0, [i for i in range(200) if i not in (3, 7, 11)]] = float("-inf")
+    expected[1, low] = (expected[1, low] + 60.0) / 2        # penalized after the bias (before it: 2x + 60)
+    expected[1, 5] -= 1.5
+    probs = sampler.probabilities(logits, tensors_for(3, temperature=1.0, allowed=allowed, bias=bias,
+                                                      penalties=penalties))
+    torch.testing.assert_close(probs, torch.softmax(expected.float(), -1), atol=1e-5, rtol=1e-4)
