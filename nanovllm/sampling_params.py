@@ -104,7 +104,7 @@ class SamplingParams:
     top_k: int = 0                      # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int | None = 64         # None: up to max_model_len
     min_tokens: int = 0                 # eos, stop tokens and stop strings wait until this many tokens exist
     ignore_eos: bool = False
     stop: str | list[str] | None = None
@@ -130,8 +130,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be finite, got {value!r}")
             setattr(self, name, float(value))
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
-            if not _is_int(getattr(self, name)):
-                raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+            if not _is_int(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
+                raise TypeError(f"{name} must be an int{' or None' if name == 'max_tokens' else ''}, "
+                                f"got {getattr(self, name)!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -163,9 +164,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1, or 0 / -1 for off, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (or None: up to max_model_len), got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:

@@ -1,3 +1,4 @@
+import sys
 from copy import copy
 from enum import Enum, auto
 from itertools import count
@@ -35,7 +36,8 @@ class Sequence:
         self.num_pending_tokens = 0      # trailing PENDING placeholders (at most one per step in flight)
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
-        self.max_tokens = sampling_params.max_tokens
+        # max_tokens None: no limit of its own (the scheduler ends every sequence at max_model_len)
+        self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else sys.maxsize
         self.ignore_eos = sampling_params.ignore_eos
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.finish_reason: str | None = None    # "stop" or "length"

@@ -697,6 +697,23 @@ def test_length_finish_and_the_output_fields(llm, tiny_tokenizer):
     assert len(text_out["token_ids"]) == 5 and len(list_out["token_ids"]) == 3
 
 
+def test_max_tokens_none_generates_up_to_max_model_len(llm, cramped):
+    """As vLLM: max_tokens=None lets a request run until it stops or fills max_model_len (128 here), whatever
+    its prompt's length, n completions included; a cache that could never hold a whole max_model_len sequence
+    refuses it up front (the 5-block engine: 80 tokens)."""
+    prompts = random_prompts(3, VOCAB, (5, 60), seed=701)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=None, min_tokens=3, ignore_eos=True, n=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        for completion in out["outputs"]:
+            assert len(prompt) + len(completion["token_ids"]) == 128
+            assert completion["finish_reason"] == "length"
+    assert_idle(llm)
+    with pytest.raises(ValueError, match="never fit"):
+        cramped.generate([prompts[0]], SamplingParams(max_tokens=None), use_tqdm=False)
+    assert_idle(cramped)
+
+
 # ---- 8. bad values -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, field", [
     (dict(n=0), "n"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
@@ -707,7 +724,8 @@ def test_length_finish_and_the_output_fields(llm, tiny_tokenizer):
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(seed=1.5), "seed"), (dict(seed=True), "seed"),
     (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(max_tokens=0), "max_tokens"), (dict(n=1.0), "n"), (dict(logprobs=True), "logprobs"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.0), "max_tokens"), (dict(n=1.0), "n"),
+    (dict(logprobs=True), "logprobs"),
     (dict(logit_bias={"a": 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias={1: float("inf")}), "logit_bias"), (dict(logit_bias={1: "x"}), "logit_bias"),
     (dict(logit_bias=[1]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),

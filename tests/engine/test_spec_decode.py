@@ -140,6 +140,12 @@ def test_max_tokens_ends_inside_an_accepted_run_exactly(spec, plain):
     assert all(out["finish_reason"] == "length" for out in outputs)
     assert tokens(outputs) == tokens(plain.generate(prompts, params, use_tqdm=False))
     assert_idle(spec)
+    # max_tokens=None: up to max_model_len (256), whose last place an accepted run may reach too
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    outputs = spec.generate(REPEATING[:2], unbounded, use_tqdm=False)
+    assert [len(p) + len(out["token_ids"]) for p, out in zip(REPEATING, outputs)] == [256, 256]
+    assert tokens(outputs) == tokens(plain.generate(REPEATING[:2], unbounded, use_tqdm=False))
+    assert_idle(spec)
 
 
 def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it(spec3, plain, greedy_reference, monkeypatch):
