@@ -119,6 +119,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None   # a dict is taken too
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit (str keys of digits too)
     allowed_token_ids: list[int] | None = None      # only these tokens may be sampled
+    truncate_prompt_tokens: int | None = None       # keep the prompt's last k tokens (-1: max_model_len)
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -152,6 +153,12 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._check_logit_edits()
+        if self.truncate_prompt_tokens is not None:
+            if not _is_int(self.truncate_prompt_tokens):
+                raise TypeError(f"truncate_prompt_tokens must be an int or None, got {self.truncate_prompt_tokens!r}")
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1 (or -1: max_model_len), "
+                                 f"got {self.truncate_prompt_tokens}")
 
     def _check_ranges(self) -> None:
         if self.n < 1:

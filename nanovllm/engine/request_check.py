@@ -18,10 +18,14 @@ class RequestLimits:
 
 def checked_request(tokenizer, prompt: str | list[int], sampling_params: SamplingParams,
                     limits: RequestLimits) -> list[int]:
-    """The prompt's token ids, once the whole request is checked (the sampling params' type first)."""
+    """The prompt's token ids, once the whole request is checked (the sampling params' type first); with
+    truncate_prompt_tokens, its last that many (-1: max_model_len)."""
     if not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
     token_ids = prompt_token_ids(tokenizer, prompt, limits.vocab_size)
+    keep = sampling_params.truncate_prompt_tokens
+    if keep is not None:        # the prompt's last tokens (left truncation, as vLLM)
+        token_ids = token_ids[-(limits.max_model_len if keep == -1 else keep):]
     check_request(token_ids, sampling_params, limits)
     return token_ids
 

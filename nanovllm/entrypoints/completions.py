@@ -31,7 +31,7 @@ class _Completions:
         echo_logprobs = body.logprobs if body.echo else None
         structured_outputs, _ = requested_structured_outputs(body)
 
-        def make_params(max_tokens: int):
+        def make_params(max_tokens: int | None):
             return body.sampling_params(defaults, max_tokens, None if self.prompt_only else body.logprobs,
                                         prompt_logprobs=echo_logprobs, structured_outputs=structured_outputs)
 

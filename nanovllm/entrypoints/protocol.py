@@ -48,6 +48,7 @@ class SamplingRequest(RequestModel):
     user: str | None = None
     # vLLM's extras
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None       # the prompt's last k tokens (-1: max_model_len)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -106,7 +107,7 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, defaults: SamplingParams, max_tokens: int, logprobs: int | None = None,
+    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """This request's SamplingParams: its own values, the engine's defaults (generation_config.json
@@ -124,7 +125,7 @@ class SamplingRequest(RequestModel):
             presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"), skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs, logit_bias=self.logit_bias or None,
-            allowed_token_ids=self.allowed_token_ids, **extra)
+            allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens, **extra)
 
 
 class CompletionRequest(SamplingRequest):

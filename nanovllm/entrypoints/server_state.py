@@ -58,18 +58,11 @@ class Serving:
     def job(self, prompt: str | list[int], make_params: Callable[[int], SamplingParams],
             max_tokens: int | None) -> Job:
         """Check one prompt with the engine, once: the job runs with the checked token ids (generate is
-        not asked to check them again). max_tokens None: whatever room max_model_len leaves the prompt,
-        which needs its length first: a text prompt is tokenized here, as the engine would, and the check
-        is of those ids."""
-        engine = self.engine
+        not asked to check them again). max_tokens None: whatever room max_model_len leaves the prompt (as
+        SamplingParams takes None; after truncate_prompt_tokens)."""
         try:
-            if max_tokens is None:
-                if isinstance(prompt, str) and prompt:     # "" is left to the check, which names it
-                    prompt = engine.tokenizer.encode(prompt)
-                # a prompt with no room left: its check says so (max_tokens=0 would be refused first)
-                max_tokens = max(1, engine.max_model_len - len(prompt))
             params = make_params(max_tokens)
-            return Job(engine.check_request(prompt, params), params)
+            return Job(self.engine.check_request(prompt, params), params)
         except (ValueError, TypeError) as error:
             raise APIError(str(error)) from None
 

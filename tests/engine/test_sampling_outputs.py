@@ -714,6 +714,22 @@ def test_max_tokens_none_generates_up_to_max_model_len(llm, cramped):
     assert_idle(cramped)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """As vLLM: the last k prompt tokens, as if they were the prompt (prompt_token_ids too); -1 keeps
+    max_model_len of them, which leaves no room and is refused; a shorter prompt is left whole."""
+    prompt = random_prompts(1, VOCAB, (150, 150), seed=801)[0]          # longer than max_model_len (128)
+    out = llm.generate([prompt], greedy(6, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert out["prompt_token_ids"] == prompt[-40:]
+    assert out["token_ids"] == llm.generate([prompt[-40:]], greedy(6), use_tqdm=False)[0]["token_ids"]
+    assert llm.generate([prompt[:10]], greedy(3, truncate_prompt_tokens=40), use_tqdm=False)[0][
+        "prompt_token_ids"] == prompt[:10]
+    with pytest.raises(ValueError, match="no room"):
+        llm.generate([prompt], greedy(6, truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="no room"):
+        llm.generate([prompt], greedy(6), use_tqdm=False)
+    assert_idle(llm)
+
+
 # ---- 8. bad values -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, field", [
     (dict(n=0), "n"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
@@ -730,6 +746,8 @@ def test_max_tokens_none_generates_up_to_max_model_len(llm, cramped):
     (dict(logit_bias={1: float("inf")}), "logit_bias"), (dict(logit_bias={1: "x"}), "logit_bias"),
     (dict(logit_bias=[1]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[-2]), "allowed_token_ids"), (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=2.5), "truncate_prompt_tokens"),
 ])
 def test_bad_sampling_params_are_refused_naming_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=field):

@@ -108,8 +108,7 @@ def test_sampling_defaults_and_overrides(client, fake_engine):
     biased, biased_chat = list(fake_engine.requests.values())[4:]
     assert biased.logit_bias == {5: 1.5, 9: -100.0} and biased.allowed_token_ids == [5, 9, 11]   # clamped
     assert biased_chat.logit_bias == {7: 100.0}
-    prompt_len = len(fake_engine.chat_prompt(CHAT))
-    assert unbounded.max_tokens == fake_engine.max_model_len - prompt_len     # up to max_model_len
+    assert unbounded.max_tokens is None                         # up to max_model_len (SamplingParams' None)
 
 
 @pytest.mark.parametrize("path, body", [
@@ -121,16 +120,16 @@ def test_sampling_defaults_and_overrides(client, fake_engine):
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True}),
 ])
 def test_each_prompt_checked_once(client, fake_engine, path, body):
-    """A request is checked at the edge it came in by, once a prompt: max_tokens absent (the room the
-    prompt leaves) included, and generate() runs the checked ids without checking them again."""
+    """A request is checked at the edge it came in by, once a prompt: max_tokens absent (None: the room the
+    prompt leaves, the engine's to take) included, and generate() runs the checked ids without checking them
+    again."""
     response = client.post(path, json=body)
     assert response.status_code == 200, response.text
     prompts = body.get("prompt", [None])
     prompts = prompts if isinstance(prompts, list) and not isinstance(prompts[0], int) else [prompts]
     assert len(fake_engine.checks) == len(prompts) == len(fake_engine.requests)
-    checked = [fake_engine.check_request(prompt, SamplingParams()) for prompt in list(fake_engine.checks)]
-    for ids, params in zip(checked, fake_engine.requests.values()):
-        assert params.max_tokens == (body.get("max_tokens") or fake_engine.max_model_len - len(ids))
+    for params in fake_engine.requests.values():
+        assert params.max_tokens == body.get("max_tokens")
 
 
 def test_completion_stream(client, fake_engine):

@@ -156,6 +156,24 @@ def test_logit_bias_and_allowed_token_ids(server, llm):
                                           allowed_token_ids=allowed)["text"]
 
 
+def test_truncate_prompt_tokens_and_an_unbounded_max_tokens(server, llm):
+    """vLLM's truncate_prompt_tokens: a prompt longer than max_model_len (512) runs on its last k tokens
+    (as the offline LLM's); with max_tokens absent it then runs up to max_model_len."""
+    api = client(server)
+    long_prompt = "word " * 600
+    out = api.completions.create(model=server_model(server), prompt=long_prompt, temperature=0.0, max_tokens=4,
+                                 extra_body={"truncate_prompt_tokens": 20})
+    assert out.usage.prompt_tokens == 20
+    expected = offline(llm, long_prompt, temperature=0.0, max_tokens=4, truncate_prompt_tokens=20)
+    assert out.choices[0].text == expected["text"] and len(expected["prompt_token_ids"]) == 20
+    unbounded = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "prompt": long_prompt, "temperature": 0.0, "ignore_eos": True, "truncate_prompt_tokens": 500})
+    assert unbounded.status_code == 200, unbounded.text
+    usage = unbounded.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (500, 12)
+    assert unbounded.json()["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.skipif(not HAS_PROMPT_LOGPROBS, reason="SamplingParams has no prompt_logprobs yet")
 def test_echo_prompt_logprobs_match_transformers(server, tiny_model):
     """lm-eval's loglikelihood request: echo + logprobs + max_tokens=0 on token ids."""
@@ -262,6 +280,7 @@ BAD = [
     ({"prompt": "a", "logit_bias": {"1000000": 5}}, 400),             # a bias outside the vocabulary
     ({"prompt": "a", "logit_bias": {"the": 5}}, 400),                 # a key that is no token id
     ({"prompt": "a", "allowed_token_ids": []}, 400),
+    ({"prompt": "a", "truncate_prompt_tokens": 0}, 400),
     ({"prompt": "word " * 600, "stream": True}, 400),                 # refused before the stream starts
 ]
 
