@@ -215,7 +215,7 @@ class AsyncLLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return default_sampling_params(self.model)
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
                        request_id: str | None = None, *, checked_token_ids: list[int] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its tokens come; the last has finished=True and the whole output.

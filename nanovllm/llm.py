@@ -9,6 +9,14 @@ __all__ = ["LLM", "GENERATION_CONFIG_KEYS", "default_sampling_params", "render_c
 class LLM(LLMEngine):
     """The public face: `LLM(model_dir, **config).generate(prompts, sampling_params)`, or `.chat(messages)`."""
 
+    def generate(self, prompts: str | dict | list[str] | list[list[int]] | list[dict],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """LLMEngine.generate; sampling_params=None: get_default_sampling_params(), as vLLM."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return super().generate(prompts, sampling_params, use_tqdm)
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

@@ -1,5 +1,5 @@
-"""LLM's conveniences over the engine: chat() through the tokenizer's chat template, and the checkpoint's
-default sampling parameters from generation_config.json."""
+"""LLM's conveniences over the engine: chat() through the tokenizer's chat template, the checkpoint's
+default sampling parameters from generation_config.json, and the prompt forms vLLM's generate() takes."""
 import json
 import shutil
 
@@ -73,6 +73,42 @@ def test_no_sampling_params_means_the_defaults(tiny, monkeypatch):
                         lambda: SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     outputs = tiny.chat(FRANCE, use_tqdm=False)
     assert len(outputs[0]["token_ids"]) == 3
+
+
+def test_generate_without_sampling_params_takes_the_defaults(tiny, monkeypatch):
+    monkeypatch.setattr(tiny, "get_default_sampling_params",
+                        lambda: SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    [out] = tiny.generate([[5, 6, 7]], use_tqdm=False)
+    assert len(out["token_ids"]) == 4
+
+
+def test_generate_takes_vllms_prompt_forms(tiny):
+    """One prompt alone (text or dict), {"prompt": text} and {"prompt_token_ids": ids} dicts, mixed in a list:
+    each the same request as its plain form."""
+    ids = tiny.tokenizer.encode("hello there")
+    plain = [core(o) for o in tiny.generate(["hello there", ids], GREEDY, use_tqdm=False)]
+    forms = [core(o) for o in tiny.generate([{"prompt": "hello there"}, {"prompt_token_ids": ids}], GREEDY,
+                                            use_tqdm=False)]
+    assert forms == plain
+    assert [core(o) for o in tiny.generate("hello there", GREEDY, use_tqdm=False)] == plain[:1]
+    assert [core(o) for o in tiny.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)] == plain[1:]
+    assert tiny.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]["prompt_token_ids"] == ids
+
+
+@pytest.mark.parametrize("prompts, error, words", [
+    ([{"prompt": "a", "prompt_token_ids": [1]}], ValueError, "exactly one of"),
+    ([{"prompt": "a", "multi_modal_data": {}}], ValueError, "multi_modal_data"),
+    ([{}], ValueError, "exactly one of"),
+    ([{"prompt": 3}], TypeError, "must be a str"),
+    ([{"prompt_token_ids": "abc"}], TypeError, "list of ints"),
+    ([{"prompt_token_ids": [1, 10 ** 6]}], ValueError, "outside the vocabulary"),
+    ([5, 6, 7], TypeError, "flat list of ints"),
+    (("a", "b"), TypeError, "prompts must be a list"),
+])
+def test_bad_prompt_forms_raise_before_any_work(tiny, prompts, error, words):
+    with pytest.raises(error, match=words):
+        tiny.generate(prompts, GREEDY, use_tqdm=False)
+    assert tiny.is_finished()
 
 
 GOOD = {"role": "user", "content": "hi"}

@@ -265,14 +265,22 @@ class LLMEngine:
         spec = self.spec_decode.stats() if self.spec_decode is not None else {}
         return {**self.scheduler.stats(), **spec}
 
-    def generate(self, prompts: list[str] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[dict]:
-        """Run every prompt to completion; outputs ({"text", "token_ids"}) come back in input order."""
+        """Run every prompt to completion; outputs ({"text", "token_ids"}) come back in input order. A prompt
+        is text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}; one alone (text or dict)
+        is a list of one."""
         if self._exited:
             raise RuntimeError("this engine has exited")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
         if not isinstance(prompts, list):
-            raise TypeError(f"prompts must be a list of str or of token-id lists, got {type(prompts).__name__}")
+            raise TypeError(f"prompts must be a list of str, token-id lists or prompt dicts, got "
+                            f"{type(prompts).__name__}")
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            raise TypeError("prompts is a flat list of ints: one token-id prompt goes in a list of its own, "
+                            "[[id, id, ...]], or as {\"prompt_token_ids\": [...]}")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):

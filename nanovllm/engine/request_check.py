@@ -16,7 +16,7 @@ class RequestLimits:
     num_blocks: int
 
 
-def checked_request(tokenizer, prompt: str | list[int], sampling_params: SamplingParams,
+def checked_request(tokenizer, prompt: str | list[int] | dict, sampling_params: SamplingParams,
                     limits: RequestLimits) -> list[int]:
     """The prompt's token ids, once the whole request is checked (the sampling params' type first); with
     truncate_prompt_tokens, its last that many (-1: max_model_len)."""
@@ -30,8 +30,23 @@ def checked_request(tokenizer, prompt: str | list[int], sampling_params: Samplin
     return token_ids
 
 
-def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
-    """A prompt (text, or token ids) as checked token ids."""
+# vLLM's prompt dicts (TextPrompt, TokensPrompt): one of these keys
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int] | dict, vocab_size: int) -> list[int]:
+    """A prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}) as checked token ids."""
+    if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"a prompt dict takes one of {list(PROMPT_KEYS)}; {unknown} not supported")
+        if len(prompt) != 1:
+            raise ValueError(f"a prompt dict takes exactly one of {list(PROMPT_KEYS)}, got {sorted(prompt)}")
+        (key, prompt), = prompt.items()
+        if key == "prompt" and not isinstance(prompt, str):
+            raise TypeError(f"a prompt dict's \"prompt\" must be a str, got {type(prompt).__name__}")
+        if key == "prompt_token_ids" and not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"a prompt dict's \"prompt_token_ids\" must be a list of ints, got {type(prompt).__name__}")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is an empty string")

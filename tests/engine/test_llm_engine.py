@@ -48,7 +48,7 @@ GOOD = [9, 9, 9]   # a valid prompt ahead of the bad one: it must not be queued 
 
 
 @pytest.mark.parametrize("prompts, params, error, words", [
-    ("just a string", GREEDY, TypeError, "list"),
+    (("a tuple", "of strings"), GREEDY, TypeError, "list"),     # one string alone is one prompt (as vLLM)
     ([GOOD, ""], GREEDY, ValueError, "empty"),
     ([GOOD, []], GREEDY, ValueError, "no tokens"),
     ([GOOD, [1, 2, 512]], GREEDY, ValueError, "512"),
