@@ -31,9 +31,10 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.
 def keep_only(logits: torch.Tensor, rows: torch.Tensor, listed_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
     """allowed_token_ids: every logit of row rows[i] -inf but those of the tokens listed for it, where
     (listed_rows[j], token_ids[j]) lists token_ids[j] for rows[listed_rows[j]]."""
-    keep = torch.zeros(rows.numel(), logits.size(1), dtype=torch.bool, device=logits.device)
-    keep[listed_rows, token_ids] = True
-    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    at = rows[listed_rows]
+    kept = logits[at, token_ids]            # the listed logits, set aside while their rows are cleared
+    logits[rows] = float("-inf")
+    logits[at, token_ids] = kept
 
 
 def add_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> None:
