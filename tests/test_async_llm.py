@@ -66,6 +66,7 @@ def test_streams_add_up_to_what_generate_returns(tiny_model, engine):
         last = outputs[-1]
         assert last.finished and all(not out.finished for out in outputs[:-1])
         assert last.output["prompt_token_ids"] == expected["prompt_token_ids"] == outputs[0].prompt_token_ids
+        assert last.output.outputs[0].text == expected.outputs[0].text     # attribute reads survive the pipe
         assert close(last.output["prompt_logprobs"], expected["prompt_logprobs"])
         for index, completion in enumerate(expected["outputs"]):
             assert texts[index] == completion["text"] and tokens[index] == completion["token_ids"]

@@ -16,6 +16,19 @@ from nanovllm.engine.messages import CompletionUpdate
 from nanovllm.sampling_params import SamplingParams
 
 
+class OutputDict(dict):
+    """LLM.generate's output dicts, whose keys read as attributes too, so that code written for vLLM's output
+    objects (`out.outputs[0].text`, `out.prompt_token_ids`) runs on them unchanged; still plain dicts (equal to
+    them, JSON as they are, pickled between processes)."""
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"an output has no {name!r}; it has {sorted(self)}") from None
+
+
 @dataclass
 class CompletionDelta:
     """What one of a request's n completions gained since the request's last output."""
@@ -201,16 +214,16 @@ class OutputProcessor:
                                completion.finish_reason, completion.stop_reason)
 
     @staticmethod
-    def _final(request: _Request) -> dict:
+    def _final(request: _Request) -> "OutputDict":
         """The finished request as LLM.generate returns it: its completions in order under "outputs", the
-        first one's fields on top."""
+        first one's fields on top (keys readable as attributes: OutputDict)."""
         outputs = []
         for completion in request.completions:
             logprobs, cumulative = completion.logprobs, None
             if logprobs is not None:
                 cumulative = sum(entry[token] for entry, token in zip(logprobs, completion.token_ids))
-            outputs.append({"text": completion.detokenizer.text, "token_ids": completion.token_ids,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                            "logprobs": logprobs, "cumulative_logprob": cumulative})
-        return {**outputs[0], "prompt_token_ids": request.prompt_token_ids,
-                "prompt_logprobs": request.prompt_logprobs, "outputs": outputs}
+            outputs.append(OutputDict(text=completion.detokenizer.text, token_ids=completion.token_ids,
+                                      finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                                      logprobs=logprobs, cumulative_logprob=cumulative))
+        return OutputDict(**outputs[0], prompt_token_ids=request.prompt_token_ids,
+                          prompt_logprobs=request.prompt_logprobs, outputs=outputs)

@@ -695,6 +695,11 @@ def test_length_finish_and_the_output_fields(llm, tiny_tokenizer):
         for key in COMPLETION_FIELDS:
             assert out[key] == out["outputs"][0][key], key
     assert len(text_out["token_ids"]) == 5 and len(list_out["token_ids"]) == 3
+    # vLLM's attribute reads work on the same dicts: out.outputs[0].text, out.prompt_token_ids
+    assert list_out.outputs[1].token_ids == list_out["outputs"][1]["token_ids"]
+    assert text_out.text == text_out.outputs[0].text and text_out.prompt_token_ids == text_out["prompt_token_ids"]
+    with pytest.raises(AttributeError, match="no 'request_id'"):
+        text_out.request_id
 
 
 def test_max_tokens_none_generates_up_to_max_model_len(llm, cramped):
