@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from importlib.util import find_spec
 from pathlib import Path
@@ -38,10 +39,29 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+# what a checkpoint directory fetched from the Hub leaves out: other formats of the same weights
+HUB_IGNORE = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "original/*", "consolidated*"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _fetch_from_hub(repo_id: str, needs_weights: bool) -> Path:
+    """A Hugging Face Hub repository id (org/name) as vLLM takes it: its checkpoint in the local Hub cache,
+    downloaded there if it is not yet (safetensors weights only; none for load_format="dummy")."""
+    try:
+        from huggingface_hub import snapshot_download
+        ignore = HUB_IGNORE + ([] if needs_weights else ["*.safetensors"])
+        return Path(snapshot_download(repo_id, ignore_patterns=ignore))
+    except Exception as error:      # no network, no such repository, a gated one: say which
+        raise FileNotFoundError(f"model directory not found: {repo_id!r}, and fetching it from the Hugging Face "
+                                f"Hub as a repository id failed ({type(error).__name__}: {error})") from None
+
+
 def _check_model_dir(model, needs_weights: bool = True) -> Path:
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a Hugging Face checkpoint directory, got {model!r}")
     path = Path(model)
+    if not path.exists() and isinstance(model, str) and _REPO_ID.match(model):
+        path = _fetch_from_hub(model, needs_weights)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {str(model)!r}")
     if not (path / "config.json").is_file():

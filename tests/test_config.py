@@ -79,6 +79,33 @@ def test_missing_or_incomplete_model_directories(tiny_model, tmp_path):
         Config(42)
 
 
+def test_a_hub_repository_id_is_fetched_into_the_cache_as_vllm_does(tiny_model, monkeypatch):
+    """An org/name that is no local path is a Hugging Face Hub repository: its checkpoint comes from the Hub's
+    cache (fetched if need be, weights as safetensors only, none for dummy weights); a failed fetch is a
+    FileNotFoundError that says both what was looked for and why the fetch failed. Local paths never reach
+    the Hub."""
+    import huggingface_hub
+    calls = []
+
+    def fake_snapshot_download(repo_id, ignore_patterns):
+        calls.append((repo_id, ignore_patterns))
+        if repo_id == "nobody/nothing":
+            raise OSError("repository not found")
+        return str(tiny_model)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert Config("Qwen/Qwen3-tiny").model == str(tiny_model)
+    assert Config("Qwen/Qwen3-tiny", load_format="dummy").model == str(tiny_model)
+    assert calls[0][0] == "Qwen/Qwen3-tiny" and "*.bin" in calls[0][1] and "*.safetensors" not in calls[0][1]
+    assert "*.safetensors" in calls[1][1]                       # dummy weights: config and tokenizer alone
+    with pytest.raises(FileNotFoundError, match="nobody/nothing.*Hugging Face Hub.*repository not found"):
+        Config("nobody/nothing")
+    calls.clear()
+    for local in ("./nobody/nothing", "/nobody/nothing", "nobody/nothing/deeper", "nothing"):
+        with pytest.raises(FileNotFoundError, match="not found"):
+            Config(local)
+    assert not calls
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tiny_model, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(tiny_model, other)
