@@ -83,7 +83,8 @@ def check_request(token_ids: list[int], sampling_params: SamplingParams, limits:
         if bad:
             raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
     check_structured_outputs(sampling_params.structured_outputs)
-    longest = max_len if sampling_params.max_tokens is None else min(len(token_ids) + sampling_params.max_tokens, max_len)
+    room = max_len if sampling_params.max_tokens is None else sampling_params.max_tokens     # None: to max_model_len
+    longest = min(len(token_ids) + room, max_len)
     if (longest + limits.block_size - 1) // limits.block_size > limits.num_blocks:
         raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
                          f"{limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or "

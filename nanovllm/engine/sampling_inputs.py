@@ -141,29 +141,32 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
 
 
 def _logit_edits(tensors: SamplingTensors, params: list[SamplingParams], device: torch.device) -> None:
-    """tensors.allowed and tensors.bias for the rows whose params have allowed_token_ids or logit_bias
-    (each distinct params' arrays made once a step)."""
-    arrays = {}
-    for p in params:
-        if id(p) not in arrays:
-            bias = p.logit_bias or {}
-            arrays[id(p)] = (np.array(p.allowed_token_ids or [], dtype=np.int64),
-                             np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
-                             np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
-    allowed_rows, listed, allowed_ids, bias_rows, bias_ids, bias_values = [], [], [], [], [], []
+    """tensors.allowed and tensors.bias for the rows whose params have allowed_token_ids or logit_bias. A
+    distinct params' allowed list travels once (rows that share it name its set), its bias once a row."""
+    sets, arrays = {}, {}           # id(params) -> its set's index; its bias as (ids, values)
+    allowed_rows, row_sets, set_index, allowed_ids = [], [], [], []
+    bias_rows, bias_ids, bias_values = [], [], []
     for i, p in enumerate(params):
-        allowed, ids, values = arrays[id(p)]
-        if allowed.size:
-            listed.append(np.full(allowed.size, len(allowed_rows), dtype=np.int64))
+        if p.allowed_token_ids:
+            if id(p) not in sets:
+                sets[id(p)] = len(sets)
+                set_index.append(np.full(len(p.allowed_token_ids), sets[id(p)], dtype=np.int64))
+                allowed_ids.append(np.array(p.allowed_token_ids, dtype=np.int64))
             allowed_rows.append(i)
-            allowed_ids.append(allowed)
-        if ids.size:
+            row_sets.append(sets[id(p)])
+        if p.logit_bias:
+            if id(p) not in arrays:
+                bias = p.logit_bias
+                arrays[id(p)] = (np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+                                 np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
+            ids, values = arrays[id(p)]
             bias_rows.append(np.full(ids.size, i, dtype=np.int64))
             bias_ids.append(ids)
             bias_values.append(values)
     if allowed_rows:
         tensors.allowed = tuple(arrays_to_device(
-            [np.array(allowed_rows, dtype=np.int64), np.concatenate(listed), np.concatenate(allowed_ids)], device))
+            [np.array(allowed_rows, dtype=np.int64), np.array(row_sets, dtype=np.int64), np.concatenate(set_index),
+             np.concatenate(allowed_ids)], device))
     if bias_rows:
         tensors.bias = tuple(arrays_to_device(
             [np.concatenate(bias_rows), np.concatenate(bias_ids), np.concatenate(bias_values)], device))

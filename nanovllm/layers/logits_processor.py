@@ -28,13 +28,14 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.
     logits[rows] = x.to(logits.dtype)
 
 
-def keep_only(logits: torch.Tensor, rows: torch.Tensor, listed_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """allowed_token_ids: every logit of row rows[i] -inf but those of the tokens listed for it, where
-    (listed_rows[j], token_ids[j]) lists token_ids[j] for rows[listed_rows[j]]."""
-    at = rows[listed_rows]
-    kept = logits[at, token_ids]            # the listed logits, set aside while their rows are cleared
-    logits[rows] = float("-inf")
-    logits[at, token_ids] = kept
+def keep_only(logits: torch.Tensor, rows: torch.Tensor, sets: torch.Tensor, set_index: torch.Tensor,
+              token_ids: torch.Tensor) -> None:
+    """allowed_token_ids: every logit of row rows[i] -inf but those of the tokens in its set sets[i], where set s
+    lists token_ids[j] for each set_index[j] == s (a set a distinct SamplingParams: rows that share one share it,
+    so the host sends each list once)."""
+    listed = torch.zeros(rows.numel(), logits.size(1), dtype=torch.bool, device=logits.device)   # sets <= rows
+    listed[set_index, token_ids] = True
+    logits[rows] = logits[rows].masked_fill(~listed[sets], float("-inf"))
 
 
 def add_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> None:

@@ -37,8 +37,9 @@ class SamplingTensors:
     max_logprobs: int | None = None     # the most top log-probs a row asks for; None: no row asks
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) set to -inf
-    # allowed_token_ids: (rows [a], listed_rows [m], token ids [m]): a row's unlisted tokens get -inf
-    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (rows [a], their sets [a], set of each listed token [m], token ids [m]):
+    # a row's tokens outside its set get -inf (logits_processor.keep_only)
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # logit_bias: (rows, token ids, values)
     logits_rows: torch.Tensor | None = None     # the logits row of each sampled row (n > 1 repeats one)
     # structured outputs: (bitmask [r, words] int32, rows [r] int32): tokens whose bit is 0 get -inf
@@ -99,7 +100,8 @@ class Sampler(nn.Module):
                 t.top_p, t.min_p, t.filter_rows = torch.tensor([0.5, 1.0], device=device), torch.zeros(2, device=device), rows
             if edits:       # log-probs then come from the raw logits' candidates, apart from the draw
                 t.banned = (rows.long(), torch.zeros(2, dtype=torch.int64, device=device))
-                t.allowed = (rows[:1].long(), torch.zeros(2, dtype=torch.int64, device=device), rows.long())
+                t.allowed = (rows[:1].long(), rows[:1].long(), torch.zeros(2, dtype=torch.int64, device=device),
+                             rows.long())
                 t.bias = (rows.long(), rows.long(), torch.full((2,), 0.5, device=device))
                 t.penalties = Penalties(rows=rows.long(), state_rows=state_rows, prompt_mask=prompt_mask,
                                         output_counts=output_counts, repetition=torch.full((2,), 1.1, device=device),

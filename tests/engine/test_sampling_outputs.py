@@ -626,9 +626,11 @@ def test_sampled_tokens_stay_in_allowed_token_ids_and_logprobs_stay_raw(llm, hf)
     for completion in out["outputs"]:
         assert set(completion["token_ids"]) == {123}
         assert_logprobs_match(completion, prompt, 2, hf)
-    many = llm.generate([prompt], sampled(40, n=2, allowed_token_ids=[7, 300, 450], seed=32), use_tqdm=False)[0]
+    many, other = llm.generate([prompt, prompt], [sampled(40, n=2, allowed_token_ids=[7, 300, 450], seed=32),
+                                                  sampled(30, allowed_token_ids=[8, 9], seed=33)], use_tqdm=False)
     tokens = [t for c in many["outputs"] for t in c["token_ids"]]
     assert set(tokens) == {7, 300, 450}
+    assert set(other["token_ids"]) == {8, 9}           # another set in the same steps
 
 
 def test_out_of_vocabulary_logit_bias_or_allowed_token_ids_are_refused_up_front(llm):

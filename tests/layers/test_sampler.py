@@ -221,8 +221,8 @@ def test_allowed_tokens_then_logit_bias_come_before_penalties_and_log_probs_stay
     logits = torch.randn(3, 200, device=DEVICE) * 2
     raw = logits.clone()
     low = int(logits[1].argmin())
-    allowed = (torch.tensor([0], device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE),
-               torch.tensor([3, 7, 11], device=DEVICE))
+    allowed = (torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE),
+               torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.tensor([3, 7, 11], device=DEVICE))
     bias = (torch.tensor([1, 1], device=DEVICE), torch.tensor([low, 5], device=DEVICE),
             torch.tensor([60.0, -1.5], device=DEVICE))
     penalties = Penalties(rows=torch.tensor([1], device=DEVICE), state_rows=torch.tensor([0], device=DEVICE),
