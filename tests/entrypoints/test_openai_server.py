@@ -174,6 +174,26 @@ def test_truncate_prompt_tokens_and_an_unbounded_max_tokens(server, llm):
     assert unbounded.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_streamed_n_without_max_tokens_ending_at_different_steps(server, llm):
+    """The mix that once hung the server, now with max_tokens absent (the engine's None): n = 3 sampled
+    completions streamed, a ninth of the vocabulary as stop tokens so that they end at different steps, the rest
+    at max_model_len after a truncated prompt. Every choice ends, and the texts are the offline LLM's."""
+    stops = list(range(0, 512, 9))
+    params = dict(n=3, temperature=1.0, seed=11, stop_token_ids=stops, truncate_prompt_tokens=470)
+    stream = client(server).completions.create(model=server_model(server), prompt="word " * 600, stream=True,
+                                               extra_body={k: params[k] for k in ("stop_token_ids",
+                                                                                  "truncate_prompt_tokens")},
+                                               n=3, temperature=1.0, seed=11, timeout=120)
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    expected = offline(llm, "word " * 600, max_tokens=None, **params)["outputs"]
+    assert texts == [c["text"] for c in expected] and finishes == [c["finish_reason"] for c in expected]
+    assert len({len(c["token_ids"]) for c in expected}) > 1 and "stop" in finishes    # they did end apart
+
+
 @pytest.mark.skipif(not HAS_PROMPT_LOGPROBS, reason="SamplingParams has no prompt_logprobs yet")
 def test_echo_prompt_logprobs_match_transformers(server, tiny_model):
     """lm-eval's loglikelihood request: echo + logprobs + max_tokens=0 on token ids."""
