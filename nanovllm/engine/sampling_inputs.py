@@ -142,34 +142,29 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
 
 def _logit_edits(tensors: SamplingTensors, params: list[SamplingParams], device: torch.device) -> None:
     """tensors.allowed and tensors.bias for the rows whose params have allowed_token_ids or logit_bias. A
-    distinct params' allowed list travels once (rows that share it name its set), its bias once a row."""
-    sets, arrays = {}, {}           # id(params) -> its set's index; its bias as (ids, values)
-    allowed_rows, row_sets, set_index, allowed_ids = [], [], [], []
-    bias_rows, bias_ids, bias_values = [], [], []
+    distinct params' allowed list travels once (rows that share it name its set), its bias once a row; the
+    host arrays are built once per distinct params, not per row."""
+    rows_of: dict[int, list[int]] = {}         # id(params) -> its rows, in order of first appearance
+    distinct: dict[int, SamplingParams] = {}
     for i, p in enumerate(params):
+        if p.edits_logits:
+            rows_of.setdefault(id(p), []).append(i)
+            distinct[id(p)] = p
+    allowed, bias = [], []          # per distinct params: (rows, set index, ids) / (rows, ids, values)
+    for key, row_list in rows_of.items():
+        p, rows = distinct[key], np.array(row_list, dtype=np.int64)
         if p.allowed_token_ids:
-            if id(p) not in sets:
-                sets[id(p)] = len(sets)
-                set_index.append(np.full(len(p.allowed_token_ids), sets[id(p)], dtype=np.int64))
-                allowed_ids.append(np.array(p.allowed_token_ids, dtype=np.int64))
-            allowed_rows.append(i)
-            row_sets.append(sets[id(p)])
+            ids = np.array(p.allowed_token_ids, dtype=np.int64)
+            allowed.append((rows, np.full(rows.size, len(allowed), dtype=np.int64),
+                            np.full(ids.size, len(allowed), dtype=np.int64), ids))
         if p.logit_bias:
-            if id(p) not in arrays:
-                bias = p.logit_bias
-                arrays[id(p)] = (np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
-                                 np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
-            ids, values = arrays[id(p)]
-            bias_rows.append(np.full(ids.size, i, dtype=np.int64))
-            bias_ids.append(ids)
-            bias_values.append(values)
-    if allowed_rows:
-        tensors.allowed = tuple(arrays_to_device(
-            [np.array(allowed_rows, dtype=np.int64), np.array(row_sets, dtype=np.int64), np.concatenate(set_index),
-             np.concatenate(allowed_ids)], device))
-    if bias_rows:
-        tensors.bias = tuple(arrays_to_device(
-            [np.concatenate(bias_rows), np.concatenate(bias_ids), np.concatenate(bias_values)], device))
+            ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+            values = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+            bias.append((np.repeat(rows, ids.size), np.tile(ids, rows.size), np.tile(values, rows.size)))
+    if allowed:
+        tensors.allowed = tuple(arrays_to_device([np.concatenate(column) for column in zip(*allowed)], device))
+    if bias:
+        tensors.bias = tuple(arrays_to_device([np.concatenate(column) for column in zip(*bias)], device))
 
 
 def build_verify_tensors(seqs: list[Sequence], drafts: list[list[int]], vocab_size: int,

@@ -105,6 +105,29 @@ def test_sampling_reads_each_sequence_temperature(llm):
     assert tensors.temperatures.tolist() == pytest.approx([0.0, 0.7])
 
 
+def test_a_steps_logit_edits_reach_each_row_by_its_own_params(llm):
+    """allowed_token_ids and logit_bias of params shared by rows that are not adjacent (n > 1, or one
+    SamplingParams for a batch), beside rows of other params and rows with neither: each row's logits are
+    edited by its own params alone (the step sends each distinct params' arrays once)."""
+    shared = SamplingParams(allowed_token_ids=[3, 5, 8], logit_bias={5: 2.0, 300: -1.0})
+    bias_only = SamplingParams(logit_bias={1: 0.5})
+    allowed_only = SamplingParams(allowed_token_ids=[2])
+    row_params = [shared, SamplingParams(), bias_only, shared, allowed_only, shared]
+    seqs = [Sequence([1], p, BS) for p in row_params]
+    runner = llm.model_runner
+    tensors, _ = build_sampling_tensors(seqs, None, 512, frozenset(), runner.penalty_state, runner.device)
+    logits = torch.zeros(len(seqs), 512)
+    runner.sampler._edit(logits, tensors, on_kernels=False)
+    for row, p in enumerate(row_params):
+        expected = torch.zeros(512)
+        if p.allowed_token_ids:
+            expected.fill_(float("-inf"))
+            expected[p.allowed_token_ids] = 0.0
+        for token, value in (p.logit_bias or {}).items():
+            expected[token] += value
+        assert torch.equal(logits[row], expected), row
+
+
 @pytest.mark.parametrize("params, argmax", [
     (dict(temperature=0.0), True),
     (dict(temperature=0.0, top_k=5, top_p=0.5), True),          # filters do not move a greedy row's argmax
