@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .dependent_launch import enter, pdl_options
+from .launch import launch
 from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
 
 _LOG2E = 1.4426950408889634
@@ -284,7 +285,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     else:
         part_m = part_l = part_acc = out      # never touched
     descs = kv_descriptors(k_cache, v_cache, True, block_n, use_tma)
-    _decode_kernel[(batch * num_kv_heads, num_splits)](
+    launch(_decode_kernel, (batch * num_kv_heads, num_splits),
         q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table,
         order if order is not None else cache_seqlens, part_m, part_l, part_acc,
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),

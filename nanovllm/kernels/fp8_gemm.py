@@ -33,6 +33,7 @@ import triton.language as tl
 
 from nanovllm.kernels import skinny_gemm
 from nanovllm.kernels.dependent_launch import enter, pdl_options
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.skinny_gemm import SkinnyConfig
 
 FP8_MAX = 448.0         # largest finite float8_e4m3fn value
@@ -233,7 +234,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     config = config or choose_config(num_rows)
     assert not block_scaled or 128 % config.block_k == 0
     grid = (triton.cdiv(num_rows, config.block_m) * triton.cdiv(num_cols, config.block_n),)
-    _fp8_gemm_kernel[grid](
+    launch(_fp8_gemm_kernel, grid,
         a, a_scale, b, b_scale, out, num_rows, num_cols, width, a.stride(0), b.stride(0), out.stride(0),
         a_scale.stride(0) if block_scaled else 0, b_scale.stride(0) if block_scaled else 0,
         BLOCK_SCALED=block_scaled, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8_gemm import GROUP, quantize_activations
+from nanovllm.kernels.launch import launch
 
 SCAN_CHUNK = 1024      # pair ids read per step by the counting and placing scans
 
@@ -446,7 +447,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     tile = config.gate_up
     a, a_scale, w13_scale, up_scale_offset = _operands(hidden_states, w13_scale, scales, inter_size)
     act = torch.empty(num_pairs, inter_size, dtype=dtype, device=device)
-    _gate_up_kernel[(num_blocks * triton.cdiv(inter_size, tile.block_n),)](
+    launch(_gate_up_kernel, (num_blocks * triton.cdiv(inter_size, tile.block_n),),
         a, w13, sorted_pairs, block_expert, act, a_scale, w13_scale, hidden_size, inter_size, a.stride(0),
         w13.stride(0), w13.stride(1), a_scale.stride(0), w13_scale.stride(0), _inner_stride(w13_scale),
         up_scale_offset, TOP_K=top_k, BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -456,7 +457,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     tile = config.down
     a, a_scale, w2_scale, _ = _operands(act, w2_scale, scales, 0)
     out_pairs = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
-    _down_kernel[(num_blocks * triton.cdiv(hidden_size, tile.block_n),)](
+    launch(_down_kernel, (num_blocks * triton.cdiv(hidden_size, tile.block_n),),
         a, w2, sorted_pairs, block_expert, flat_weights, out_pairs, a_scale, w2_scale, hidden_size, inter_size,
         w2.stride(0), w2.stride(1), a_scale.stride(0), w2_scale.stride(0), _inner_stride(w2_scale),
         BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_size % tile.block_k == 0,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
+from .launch import launch
 
 _LOG2E = 1.4426950408889634
 
@@ -247,7 +248,7 @@ def prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, c
         new_descs = kv_descriptors(k_new, v_new, False, block_n, use_tma)
     else:
         k_new, v_new, new_descs = k, v, None          # never read
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid,
         q, *(descs or (k, v)), out, cu_seqlens_q, cu_seqlens_k, bt, *(new_descs or (k_new, v_new)),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,

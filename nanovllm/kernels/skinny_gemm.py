@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.dependent_launch import enter, pdl_options, start_dependents, wait_for_producers
+from nanovllm.kernels.launch import launch
 
 NO_SCALES, CHANNEL_SCALES, BLOCK_SCALES = 0, 1, 2
 
@@ -264,7 +265,7 @@ def skinny_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
                else out)
     counters = _tile_counters(a.device)
     assert row_tiles * col_tiles <= counters.numel()
-    _skinny_gemm_kernel[(col_tiles, splits, row_tiles)](
+    launch(_skinny_gemm_kernel, (col_tiles, splits, row_tiles),
         a, a if a_scale is None else a_scale, b, b if b_scale is None else b_scale, b if bias is None else bias,
         out, partial, counters, num_rows, num_cols, width, steps * config.block_k,
         a.stride(0), a_scale.stride(0) if scales == BLOCK_SCALES else 0, b.stride(0), out.stride(0),
