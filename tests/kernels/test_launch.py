@@ -76,7 +76,7 @@ def test_gpu_moe_tiles_too_big_for_eight_stages_still_run():
     from nanovllm.kernels.fused_moe import MoeConfig, Tile
     from nanovllm.layers import fused_moe as oracle
     torch.manual_seed(0)
-    num_experts, hidden, inter, top_k = 8, 512, 256, 2
+    num_experts, hidden, inter, top_k = 8, 1024, 256, 2           # 16 K steps: room for eight stages
     w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda") * 0.05).bfloat16()
     w2 = (torch.randn(num_experts, hidden, inter, device="cuda") * 0.05).bfloat16()
     x = torch.randn(300, hidden, device="cuda").bfloat16()
