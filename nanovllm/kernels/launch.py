@@ -7,7 +7,9 @@ as Triton's autotuner prunes such configs. What fitted is remembered per kernel 
 is compiled (and warmed up) once, and a GPU where everything fits pays one try/except a launch.
 """
 import logging
+from functools import lru_cache
 
+import torch
 from triton.runtime.errors import OutOfResources
 
 logger = logging.getLogger(__name__)
@@ -45,3 +47,18 @@ def launch(kernel, grid, *args, **options) -> None:
                     getattr(kernel, "__name__", kernel), first_refusal, stages, wanted)
         return
     raise first_refusal
+
+
+@lru_cache(maxsize=None)
+def _shared_memory(index: int) -> int:
+    properties = torch.cuda.get_device_properties(index)
+    optin = getattr(properties, "shared_memory_per_block_optin", 0)
+    if optin:
+        return optin
+    from triton.runtime import driver
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a block may use on this GPU (Hopper 227 KiB, A100 163 KiB, Ada 99 KiB)."""
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())

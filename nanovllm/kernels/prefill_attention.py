@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
-from .launch import launch
+from .launch import launch, shared_memory
 
 _LOG2E = 1.4426950408889634
 
@@ -178,6 +178,10 @@ def _default_config(head_dim: int, dtype: torch.dtype, device: torch.device, key
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:         # no tensor-core path worth tuning; keep registers and smem small
         return dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if shared_memory(device) < 128 * 1024:
+        # Ada and consumer Ampere (99 KiB): a 128 x 128 tile's q, K and V alone fill it; 64 x 64 tiles in two
+        # stages take ~80 KiB at head_dim 128 (untuned there: tuned on Hopper)
+        return dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if keys is not None and keys < SHORT_KEYS:

@@ -67,6 +67,24 @@ def test_other_errors_pass_through_untouched():
         launch(Broken(), (1,), num_stages=4)
 
 
+def test_prefill_attention_takes_small_tiles_where_shared_memory_is_small(monkeypatch):
+    """On a 99 KiB GPU (Ada) prefill attention's tiles are 64 x 64 in two stages; Hopper keeps its tuned ones."""
+    from nanovllm.kernels import prefill_attention
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(prefill_attention, "shared_memory", lambda device: 99 * 1024)
+    small = prefill_attention._default_config(128, torch.bfloat16, cuda, keys=8192)
+    assert (small["block_m"], small["block_n"], small["num_stages"]) == (64, 64, 2)
+    monkeypatch.setattr(prefill_attention, "shared_memory", lambda device: 227 * 1024)
+    assert prefill_attention._default_config(128, torch.bfloat16, cuda, keys=8192)["block_m"] == 128
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_shared_memory_is_the_devices():
+    from nanovllm.kernels.launch import shared_memory
+    major, _ = torch.cuda.get_device_capability()
+    assert shared_memory(torch.device("cuda")) >= (227 * 1024 if major == 9 else 99 * 1024)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_moe_tiles_too_big_for_eight_stages_still_run():
     """gate_up tiles of 64 rows and 128 columns (gate's and up's: ~40 KiB a stage) in eight stages exceed every
