@@ -144,15 +144,13 @@ def _logit_edits(tensors: SamplingTensors, params: list[SamplingParams], device:
     """tensors.allowed and tensors.bias for the rows whose params have allowed_token_ids or logit_bias. A
     distinct params' allowed list travels once (rows that share it name its set), its bias once a row; the
     host arrays are built once per distinct params, not per row."""
-    rows_of: dict[int, list[int]] = {}         # id(params) -> its rows, in order of first appearance
-    distinct: dict[int, SamplingParams] = {}
+    groups: dict[int, tuple[SamplingParams, list[int]]] = {}     # id(params) -> (params, its rows), first seen first
     for i, p in enumerate(params):
         if p.edits_logits:
-            rows_of.setdefault(id(p), []).append(i)
-            distinct[id(p)] = p
+            groups.setdefault(id(p), (p, []))[1].append(i)
     allowed, bias = [], []          # per distinct params: (rows, set index, ids) / (rows, ids, values)
-    for key, row_list in rows_of.items():
-        p, rows = distinct[key], np.array(row_list, dtype=np.int64)
+    for p, row_list in groups.values():
+        rows = np.array(row_list, dtype=np.int64)
         if p.allowed_token_ids:
             ids = np.array(p.allowed_token_ids, dtype=np.int64)
             allowed.append((rows, np.full(rows.size, len(allowed), dtype=np.int64),

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .dependent_launch import enter, pdl_options
-from .launch import launch
 from .kv_tile import dot_operand, kv_descriptors, kv_head_source, load_kv_tile, tile_page, wants_fp16_dots
+from .launch import launch
 
 _LOG2E = 1.4426950408889634
 
