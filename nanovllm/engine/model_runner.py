@@ -186,8 +186,14 @@ class ModelRunner:
         reset_context()
         if self.rank == 0:          # the sampling inputs while the device runs the forward pass
             self.penalty_state.release(finished_seq_ids)
-            tensors, penalty_rows = build_sampling_tensors(seqs, logits_rows, self.config.hf_config.vocab_size,
-                                                           self.config.eos_token_ids, self.penalty_state, self.device)
+            if logits_rows is None and not defer_sampling and argmax_suffices(seqs):
+                # greedy rows with nothing to edit or report: their tokens are the argmax (_sample), so no
+                # inputs are built or copied (a lone small model's decode step is host work)
+                tensors, penalty_rows = None, None
+            else:
+                tensors, penalty_rows = build_sampling_tensors(
+                    seqs, logits_rows, self.config.hf_config.vocab_size, self.config.eos_token_ids,
+                    self.penalty_state, self.device)
         step = (seqs, logits, tensors, penalty_rows, prompt_logprobs) if self.rank == 0 else (seqs,)
         if defer_sampling:
             if block_copies:
@@ -278,7 +284,11 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None = None, tensors=None, penalty_rows=None,
                 prompt_logprobs=None) -> SampledTokens | None:
         if self.rank == 0:
-            output = self.sampler(logits, tensors)
+            # no tensors: every row greedy with nothing to edit (run), drawn as the sampler's argmax_only path
+            if tensors is None:
+                output = SamplerOutput(token_ids=logits.argmax(dim=-1))
+            else:
+                output = self.sampler(logits, tensors)
             if penalty_rows is not None:
                 self.penalty_state.count(penalty_rows, output.token_ids[tensors.penalties.rows])
             token_ids = output.token_ids

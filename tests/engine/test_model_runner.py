@@ -151,6 +151,32 @@ def test_a_step_of_plain_greedy_rows_is_sampled_by_argmax_alone(llm, params, arg
         assert runner.sampler(logits, tensors).token_ids.tolist() == [int(logits[0].argmax()), 7]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("params, builds", [
+    (dict(temperature=0.0), False),
+    (dict(temperature=0.0, logprobs=1), True),          # log-probs are reported: the sampler's path
+    (dict(temperature=0.8, seed=3), True),
+], ids=["greedy", "greedy-logprobs", "sampled"])
+def test_a_step_of_plain_greedy_rows_builds_no_sampling_inputs(llm, monkeypatch, params, builds):
+    """Where argmax alone draws every row of a step, the runner builds and copies no sampling inputs (a lone
+    small model's step is host work), and its tokens are the sampler's: the same as with the inputs built."""
+    import nanovllm.engine.model_runner as model_runner
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, **params)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return build_sampling_tensors(*args, **kwargs)
+    monkeypatch.setattr(model_runner, "build_sampling_tensors", counted)
+    fast = [out["token_ids"] for out in llm.generate(prompts, sampling, use_tqdm=False)]
+    assert bool(calls) is builds
+    monkeypatch.setattr(model_runner, "argmax_suffices", lambda seqs: False)    # every step builds its inputs
+    calls.clear()
+    full = [out["token_ids"] for out in llm.generate(prompts, sampling, use_tqdm=False)]
+    assert calls and fast == full and all(len(t) == 6 for t in fast)
+
+
 @pytest.mark.timeout(120)       # an engine's step loop: a regression fails instead of hanging
 def test_a_greedy_verification_leaves_the_accepted_count_to_the_host(tiny_model):
     """Greedy rows verify by their argmax alone (no accepted count on the device; the engine counts the
