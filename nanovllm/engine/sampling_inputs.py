@@ -41,9 +41,15 @@ def argmax_suffices(seqs: list[Sequence]) -> bool:
     """Whether each of these sequences' next tokens (and, in a verification, the tokens after its drafts) is
     simply its logits' argmax: greedy, and nothing edits or reports on the logits (penalties, min_tokens'
     bans, log-probs; structured outputs' masks are the caller's to rule out). The sampler's draw would be
-    that argmax (ties: the lowest id, as torch.argmax), so its inputs need not be built."""
-    return all(_plain_greedy(seq.sampling_params) and seq.sampling_params.min_tokens <= seq.num_completion_tokens
-               for seq in seqs)
+    that argmax (ties: the lowest id, as torch.argmax), so its inputs need not be built.
+
+    Asked every step of every batch: the params are checked once per distinct SamplingParams (a batch usually
+    shares one), the rows walked again only where some params have min_tokens."""
+    distinct = {id(seq.sampling_params): seq.sampling_params for seq in seqs}.values()
+    if not all(_plain_greedy(p) for p in distinct):
+        return False
+    return not any(p.min_tokens for p in distinct) or all(
+        seq.sampling_params.min_tokens <= seq.num_completion_tokens for seq in seqs)
 
 
 def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, vocab_size: int,

@@ -151,6 +151,19 @@ def test_a_step_of_plain_greedy_rows_is_sampled_by_argmax_alone(llm, params, arg
         assert runner.sampler(logits, tensors).token_ids.tolist() == [int(logits[0].argmax()), 7]
 
 
+def test_min_tokens_leaves_argmax_to_the_rows_past_it():
+    """Greedy rows under min_tokens need the sampler (eos banned) until each has that many completion tokens;
+    the check goes by each row's own progress, whatever the rows share."""
+    shared, plain = SamplingParams(temperature=0.0, min_tokens=2), SamplingParams(temperature=0.0)
+    rows = [Sequence([1, 2], shared, BS), Sequence([3], shared, BS), Sequence([4], plain, BS)]
+    for row, gained in zip(rows, (3, 2, 0)):
+        for _ in range(gained):
+            row.append_token(7)
+    assert argmax_suffices(rows)
+    assert not argmax_suffices(rows + [Sequence([5], shared, BS)])    # a row with none yet
+    assert not argmax_suffices(rows + [Sequence([5], SamplingParams(temperature=0.7), BS)])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("params, builds", [
     (dict(temperature=0.0), False),
