@@ -681,6 +681,40 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(request, llm, engin
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("engine_name", ["llm", "cramped"])
+def test_greedy_rows_beside_sampled_ones_take_the_argmax_once_alone(request, llm, engine_name, monkeypatch):
+    """A step whose rows are all plain greedy takes the argmax without sampling inputs (model_runner.run);
+    a step with any other row builds them. Greedy requests ending at different steps (a stop token, lengths,
+    min_tokens, n = 2) beside a short seeded one, under preemption too: each gets what it gets alone, and both
+    kinds of step ran."""
+    import nanovllm.engine.model_runner as model_runner
+    engine = request.getfixturevalue(engine_name)
+    prompts = random_prompts(5, VOCAB, (4, 14), seed=811)
+    probe, early = (llm.generate([prompts[i]], greedy(13), use_tqdm=False)[0]["token_ids"] for i in (1, 4))
+    # the last request's stop token comes second unbanned; min_tokens bans it for the first four tokens
+    params = [greedy(6), greedy(13, stop_token_ids=[probe[5]]), greedy(11, n=2), sampled(4, seed=31),
+              greedy(9, stop_token_ids=[early[1]], min_tokens=4)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert alone[1]["finish_reason"] == "stop" and len(alone[1]["token_ids"]) <= 6
+    assert len(alone[4]["token_ids"]) >= 4 and alone[4]["token_ids"][1] != early[1]
+    decisions, decide = [], model_runner.argmax_suffices
+
+    def recorded(seqs):
+        decisions.append(decide(seqs))
+        return decisions[-1]
+    monkeypatch.setattr(model_runner, "argmax_suffices", recorded)
+    before = engine.stats["num_preemptions"]
+    together = engine.generate(prompts, params, use_tqdm=False)
+    if engine_name == "cramped":
+        assert engine.stats["num_preemptions"] > before
+    assert True in decisions and False in decisions
+    for i, (got, expected) in enumerate(zip(together, alone)):
+        assert len(got["outputs"]) == params[i].n
+        for j, (g, e) in enumerate(zip(got["outputs"], expected["outputs"])):
+            assert_same_completion(g, e, (engine_name, i, j))
+    assert_idle(engine)
+
+
 # ---- 7. the output dict --------------------------------------------------------------------------------
 def test_length_finish_and_the_output_fields(llm, tiny_tokenizer):
     outs = llm.generate(["hello there", [7, 8, 9]], [greedy(5), sampled(3, n=2)], use_tqdm=False)
