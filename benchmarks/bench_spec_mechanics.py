@@ -60,6 +60,9 @@ def make_proposer(mode: str, k: int, vocab: int, continuation: list[int], seed: 
 def run_mode(llm, mode: str, k: int, prompt: list[int], max_tokens: int, continuation: list[int]) -> dict:
     spec = llm.spec_decode
     spec.proposer.propose = make_proposer(mode, k, llm.config.hf_config.vocab_size, continuation)
+    # the engine asks first whether lookup could find a match (a random prompt has none): every mode but
+    # plain has its drafts
+    spec.proposer.may_propose = lambda seqs: mode != "plain"
     # plain: never speculate (steps pipelined, as an engine without speculation runs them); random, oracle:
     # every step; adaptive: the engine's policy, from scratch
     policy = spec.policy = SpeculationPolicy(adaptive=mode != "plain")
@@ -74,6 +77,9 @@ def run_mode(llm, mode: str, k: int, prompt: list[int], max_tokens: int, continu
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     seconds = perf_counter() - start
     drafts = {name: llm.stats[name] - before[name] for name in STATS}
+    if mode in ("random", "oracle") and not drafts["spec_decode_num_drafts"]:
+        raise RuntimeError(f"{mode}: no step verified a draft (the engine no longer asks the proposer as this "
+                           "benchmark replaces it)")
     tokens = out["token_ids"]
     return dict(mode=mode, seconds=round(seconds, 4), tokens=len(tokens),
                 ms_per_token=round(seconds * 1e3 / len(tokens), 4), tok_per_s=round(len(tokens) / seconds, 2),

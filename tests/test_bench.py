@@ -479,3 +479,25 @@ def test_the_side_by_side_profile_files_both_engines_kernels_where_they_belong()
     }
     assert {name: category(name) for name in expected} == expected
     assert {category(name) for name in expected} == {name for name, _ in CATEGORIES}
+
+
+def test_spec_mechanics_verifies_the_drafts_it_makes(checkpoint, capsys, monkeypatch):
+    """benchmarks/bench_spec_mechanics.py (issue #40's 8B mechanics): its random and oracle modes verify drafts
+    at every step, the oracle's all accepted and its tokens plain decoding's. (The engine asks the proposer
+    whether lookup may match before it proposes; a benchmark that replaced `propose` alone measured plain
+    decoding in every mode.)"""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_spec_mechanics.py"
+    spec = importlib.util.spec_from_file_location("bench_spec_mechanics", path)
+    mechanics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mechanics)
+    monkeypatch.setattr("sys.argv", ["bench_spec_mechanics.py", "--model", str(checkpoint), "--device", "cpu",
+                                     "--prompt-len", "16", "--max-tokens", "6", "--k", "3",
+                                     "--modes", "random,oracle", "--json"])
+    mechanics.main()
+    runs = {run["mode"]: run for run in map(json.loads, capsys.readouterr().out.strip().splitlines()[-4:])}
+    assert set(runs) == {"plain", "random", "oracle", "plain again"}
+    assert runs["plain"]["verifications"] == 0 and runs["plain again"]["verifications"] == 0
+    assert runs["random"]["verifications"] >= 2 and runs["random"]["draft_tokens"] >= 3
+    oracle = runs["oracle"]
+    assert oracle["verifications"] >= 1 and oracle["accepted_tokens"] == oracle["draft_tokens"] >= 3
+    assert oracle["same_tokens"] and oracle["tokens"] == 6
