@@ -53,19 +53,6 @@ CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
 )
 
 
-# (smallest M, config) for a decoder projection's 2-16 rows in the model's dtype (one row is the GEMV's) where
-# its weight is at most DECODER_MAX_WEIGHT_BYTES: a verification's or a few sequences' decode step of a small
-# model. Kernel alone cuBLAS streams these as fast, but its kernels take no part in dependent launches
-# (kernels/dependent_launch.py): in a decode graph of few rows each is a full stop between the kernels around
-# it, which a small model's step, a chain of short kernels, feels. H100, verifications of 5 rows
-# (benchmarks/bench_spec_mechanics.py, oracle drafts): Qwen3-0.6B (4-13 MB weights) 0.398 -> 0.362 ms/token;
-# Qwen3-8B (34-201 MB) 1.503 -> 1.513, where cuBLAS streams the larger weights better: left to it.
-DECODER_CONFIGS: tuple[tuple[int, SkinnyConfig], ...] = (
-    (2, SkinnyConfig(64, 4, 3, programs_per_sm=2, block_k=256)),
-)
-DECODER_MAX_WEIGHT_BYTES = 32 << 20
-
-
 def choose_config(num_rows: int, configs=CONFIGS) -> SkinnyConfig | None:
     """The tiles for num_rows rows, or None where they are too many for a skinny GEMM."""
     fitting = [config for first, config in configs if num_rows >= first]

@@ -149,7 +149,6 @@ class RowParallelLinear(LinearBase):
 
 
 def dense_warmup_token_counts() -> tuple[int, ...]:
-    """Row counts that reach each GEMM variant of the model's dtype (the GEMV's one row, the LM head's and the
-    decoder's skinny buckets): the engine's warm-up runs each once."""
-    return tuple(sorted({1, *skinny_gemm.config_token_counts(),                # 1: the GEMV
-                         *skinny_gemm.config_token_counts(skinny_gemm.DECODER_CONFIGS)}))
+    """Row counts that reach each GEMM variant of the model's dtype (the GEMV's one row, the LM head's skinny
+    buckets): the engine's warm-up runs each once."""
+    return tuple(sorted({1, *skinny_gemm.config_token_counts()}))    # 1: the GEMV

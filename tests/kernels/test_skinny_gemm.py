@@ -18,7 +18,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return F.linear(x.float(), w.float(), None if bias is None else bias.float())
 
 
-TABLES = {"lm_head": skinny_gemm.CONFIGS, "decoder": skinny_gemm.DECODER_CONFIGS}
+TABLES = {"lm_head": skinny_gemm.CONFIGS}
 BUCKETS = [(name, first) for name, table in TABLES.items() for first, _ in table]
 
 
@@ -61,18 +61,13 @@ def test_several_row_tiles_and_a_strided_input():
 
 @pytest.mark.parametrize("configs", TABLES.values(), ids=TABLES.keys())
 def test_the_buckets_cover_a_decode_batch_then_hand_over(configs):
-    """From the first bucket's rows to the last bucket's tile, every row count has tiles; and the engine's
-    warm-up runs each bucket's first row count (compiling its variant before any request)."""
-    from nanovllm.layers.linear import dense_warmup_token_counts
-
-    first = configs[0][0]
-    assert skinny_gemm.choose_config(first - 1, configs) is None
+    assert skinny_gemm.choose_config(0, configs) is None
     largest = configs[-1][1].block_m
-    for m in range(first, largest + 1):
+    for m in range(1, largest + 1):
         config = skinny_gemm.choose_config(m, configs)
         assert config is not None and m <= config.block_m
     assert skinny_gemm.choose_config(largest + 1, configs) is None
-    assert {first for first, _ in configs} <= set(dense_warmup_token_counts())    # warmed up at start
+    assert {first for first, _ in configs} <= set(skinny_gemm.config_token_counts())    # warmed up at start
 
 
 def test_split_k_fills_the_device_and_keeps_parts_long():

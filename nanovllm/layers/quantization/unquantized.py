@@ -18,15 +18,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     skinny_gemm.gemv: its products on CUDA cores stream the weight nearer the copy rate than cuBLAS's GEMV,
     and it loads its first weights before the kernel it follows has finished (H100, one stream: Qwen3-8B
     6.53 -> 5.95 ms/token, Qwen3-0.6B 1.40 -> 1.09). A few rows go to the split-K skinny GEMM where
-    `skinny_configs` (a table of nanovllm.kernels.skinny_gemm: the LM head's), or else for a small weight its
-    DECODER_CONFIGS, has tiles for them; a decode step's LT_ROWS to cuBLASLt; the rest, and the CPU, to cuBLAS / torch."""
+    `skinny_configs` (a table of nanovllm.kernels.skinny_gemm) has tiles for them (the LM head); a decode
+    step's LT_ROWS to cuBLASLt; the rest, and the CPU, to cuBLAS / torch."""
     num_rows = x.numel() // x.shape[-1]
     if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1:
         if num_rows == 1:
             return skinny_gemm.gemv(x.reshape(1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-        configs = skinny_configs or (skinny_gemm.DECODER_CONFIGS if weight.numel() * weight.element_size()
-                                     <= skinny_gemm.DECODER_MAX_WEIGHT_BYTES else None)
-        config = skinny_gemm.choose_config(num_rows, configs) if configs else None
+        config = skinny_gemm.choose_config(num_rows, skinny_configs) if skinny_configs else None
         if config is not None:
             out = skinny_gemm.skinny_gemm(x.reshape(num_rows, x.shape[-1]), weight, bias, config=config)
             return out.view(*x.shape[:-1], weight.shape[0])
