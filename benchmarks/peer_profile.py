@@ -7,11 +7,13 @@ time goes, kernel by kernel, on the same prompts.
     ... [--structured-outputs json-records-1024] [--no-profile]     # issue #39's side by side (xgrammar in both;
                                                                     # a schema no request completes: like for like)
     ... [--full-warm-up]      # a warm-up as large as the run (vLLM JIT-compiles MoE tiles inside it otherwise)
+    ... [--profile-seqs 32] [--profile-only]     # the profiled steps of 32 sequences; no timed workload
 
 Both engines load `load_format="dummy"` weights (MODEL_DIR holds config.json). The standard workload (256
 requests, bench.make_workload, ignore_eos, T 0.6) is timed once; then the same 256 prompts run with 24 output
 tokens (their prompts cut to whole 256-token pages, now cached) and again, one token longer each, under
-torch.profiler: one step of 256 new tokens, then decode steps of 256 sequences; the table lists the kernels
+torch.profiler: one step of 256 new tokens, then decode steps of 256 sequences (--profile-seqs: the first N of
+them, a small batch's steps); the table lists the kernels
 by GPU time, with calls and time a call, then a step's GPU time by kind (attention, GEMMs, MoE experts, the
 small kernels, sampling, copies; CATEGORIES names them for both engines).
 
@@ -123,7 +125,14 @@ def main() -> None:
     parser.add_argument("--full-warm-up", action="store_true",
                         help="before the timed run, another seed's 256 requests cut to 128 output tokens (every "
                              "prefill size and decode batch the run meets, so no kernel compiles inside it)")
+    parser.add_argument("--profile-seqs", type=int, default=256,
+                        help="sequences in the profiled steps (the workload's first N prompts)")
+    parser.add_argument("--profile-only", action="store_true", help="no timed workload before the profile")
     args = parser.parse_args()
+    if not 1 <= args.profile_seqs <= 256:
+        parser.error("--profile-seqs takes 1 to 256 (the workload's requests)")
+    if args.profile_only and args.no_profile:
+        parser.error("--profile-only and --no-profile leave nothing to run")
     if args.dummy_range is not None:
         if args.engine != "vllm":
             parser.error("--dummy-range applies to vLLM's dummy weights")
@@ -137,18 +146,20 @@ def main() -> None:
     if args.full_warm_up:   # vLLM's own warm-up leaves some MoE tiles to compile inside the first big batches
         other = make_workload(256, 1024, 1024, seed=1)
         generate(other.prompts, [min(m, 128) for m in other.max_tokens], 0.6)
-    start = perf_counter()
-    tokens = generate(workload.prompts, workload.max_tokens, 0.6)
-    elapsed = perf_counter() - start
-    print(json.dumps(dict(engine=args.engine, workload="standard", structured_outputs=args.structured_outputs,
-                          seconds=elapsed, output_tokens=tokens, output_tok_per_s=tokens / elapsed)), flush=True)
+    if not args.profile_only:
+        start = perf_counter()
+        tokens = generate(workload.prompts, workload.max_tokens, 0.6)
+        elapsed = perf_counter() - start
+        print(json.dumps(dict(engine=args.engine, workload="standard", structured_outputs=args.structured_outputs,
+                              seconds=elapsed, output_tokens=tokens, output_tok_per_s=tokens / elapsed)), flush=True)
     if args.no_profile:
         exit_engine()
         return
     # the profiled prompts: the workload's, cut (or, under 256 tokens, repeated) to whole 256-token pages, so
     # that both engines find every one cached whole (ours pages 256 tokens, vLLM 16) and the window is one
-    # step of 256 new tokens and decode steps of 256 sequences
-    prompts = [paged_prompt(prompt) for prompt in workload.prompts]
+    # step of 256 new tokens and decode steps of 256 sequences (or of --profile-seqs)
+    prompts = [paged_prompt(prompt) for prompt in workload.prompts[:args.profile_seqs]]
+    num_seqs = len(prompts)
     short = [PROFILED_TOKENS] * len(prompts)
     generate(prompts, short, 0.6)                                       # every prompt now in the prefix cache
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -158,7 +169,7 @@ def main() -> None:
     exit_engine()
     events = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in events)
-    print(f"profiled: {elapsed:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s: 256 cached prompts of "
+    print(f"profiled: {elapsed:.3f} s wall, GPU busy {busy_us / 1e6:.3f} s: {num_seqs} cached prompts of "
           f"{sum(map(len, prompts)) / len(prompts):.0f} tokens on average + 1 token each, "
           f"{PROFILED_TOKENS} output tokens")
     print(f"{'GPU ms':>10} {'calls':>7} {'us/call':>9}  kernel")
@@ -168,7 +179,8 @@ def main() -> None:
     totals = dict.fromkeys((name for name, _ in CATEGORIES), 0.0)
     for e in events:
         totals[category(e.key)] += e.self_device_time_total
-    print(f"per step ({PROFILED_TOKENS} steps: one of 256 new tokens, the rest decode steps of 256 sequences):")
+    print(f"per step ({PROFILED_TOKENS} steps: one of {num_seqs} new tokens, the rest decode steps of {num_seqs} "
+          "sequences):")
     for name, us in totals.items():
         print(f"{us / PROFILED_TOKENS / 1e3:10.3f} ms  {name}")
     print(f"{busy_us / PROFILED_TOKENS / 1e3:10.3f} ms  GPU busy")

@@ -501,3 +501,18 @@ def test_spec_mechanics_verifies_the_drafts_it_makes(checkpoint, capsys, monkeyp
     oracle = runs["oracle"]
     assert oracle["verifications"] >= 1 and oracle["accepted_tokens"] == oracle["draft_tokens"] >= 3
     assert oracle["same_tokens"] and oracle["tokens"] == 6
+
+
+def test_the_side_by_side_profile_takes_a_small_batch_alone(checkpoint, capsys, monkeypatch):
+    """peer_profile.py --profile-only --profile-seqs 2: no timed workload, the profiled steps of the workload's
+    first two prompts (on the CPU the table's GPU time is zero; the run and its report are what is checked)."""
+    from benchmarks import peer_profile
+    monkeypatch.setattr("sys.argv", ["peer_profile.py", str(checkpoint), "--engine", "ours", "--profile-only",
+                                     "--profile-seqs", "2", "--rows", "3"])
+    peer_profile.main()
+    out = capsys.readouterr().out
+    assert '"workload": "standard"' not in out                  # the timed run was left out
+    assert "2 cached prompts" in out and "decode steps of 2 sequences" in out
+    monkeypatch.setattr("sys.argv", ["peer_profile.py", str(checkpoint), "--engine", "ours", "--profile-seqs", "0"])
+    with pytest.raises(SystemExit):
+        peer_profile.main()
