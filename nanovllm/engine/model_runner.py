@@ -256,7 +256,7 @@ class ModelRunner:
             # greedy rows with nothing to edit: every row's token is its argmax, whatever the proposal's law
             # (the target's is one-hot), and the engine counts the leading rows that equal their drafts
             if not draft_reads and token_bitmask is None and argmax_suffices(seqs):
-                return SampledTokens(SamplerOutput(token_ids=logits.argmax(dim=-1))), None
+                return SampledTokens(SamplerOutput.argmax(logits)), None
             # while the device runs the forward pass: the host waits on this step
             tensors, state_rows = build_verify_tensors(
                 seqs, drafts, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.penalty_state,
@@ -284,11 +284,8 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None = None, tensors=None, penalty_rows=None,
                 prompt_logprobs=None) -> SampledTokens | None:
         if self.rank == 0:
-            # no tensors: every row greedy with nothing to edit (run), drawn as the sampler's argmax_only path
-            if tensors is None:
-                output = SamplerOutput(token_ids=logits.argmax(dim=-1))
-            else:
-                output = self.sampler(logits, tensors)
+            # no tensors: every row greedy with nothing to edit (run)
+            output = SamplerOutput.argmax(logits) if tensors is None else self.sampler(logits, tensors)
             if penalty_rows is not None:
                 self.penalty_state.count(penalty_rows, output.token_ids[tensors.penalties.rows])
             token_ids = output.token_ids

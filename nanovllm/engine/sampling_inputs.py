@@ -43,8 +43,11 @@ def argmax_suffices(seqs: list[Sequence]) -> bool:
     bans, log-probs; structured outputs' masks are the caller's to rule out). The sampler's draw would be
     that argmax (ties: the lowest id, as torch.argmax), so its inputs need not be built.
 
-    Asked every step of every batch: the params are checked once per distinct SamplingParams (a batch usually
+    Asked every step of every batch: a sampled first row answers at once (the inputs are built next, walking
+    the rows themselves); else the params are checked once per distinct SamplingParams (a batch usually
     shares one), the rows walked again only where some params have min_tokens."""
+    if seqs and not _plain_greedy(seqs[0].sampling_params):
+        return False
     distinct = {id(seq.sampling_params): seq.sampling_params for seq in seqs}.values()
     if not all(_plain_greedy(p) for p in distinct):
         return False

@@ -62,6 +62,12 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None   # [rows, max_logprobs] most likely first
     top_logprobs: torch.Tensor | None = None
 
+    @classmethod
+    def argmax(cls, logits: torch.Tensor) -> "SamplerOutput":
+        """Every row greedy with nothing to edit or report (sampling_inputs.argmax_suffices): each row's token
+        is its argmax (ties: the lowest id), one launch."""
+        return cls(token_ids=logits.argmax(dim=-1))
+
 
 class Sampler(nn.Module):
     """penalties -> temperature -> min_p -> top_k -> top_p -> draw, and log-probs of the raw logits.
@@ -121,7 +127,7 @@ class Sampler(nn.Module):
         if tensors.logits_rows is not None:
             logits = logits[tensors.logits_rows]
         if tensors.argmax_only and tensors.token_bitmask is None:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+            return SamplerOutput.argmax(logits)
         on_kernels = self._on_kernels(logits)
         self._mask(logits, tensors, on_kernels)
         raw = logits
