@@ -84,10 +84,25 @@ def test_silu_and_mul_quant_applies_a_gemm_outputs_scales_as_the_plain_gate_does
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_rows_wider_than_a_program_holds_take_two_passes(monkeypatch, scaled):
-    """Per-token scales of a row wider than MAX_BLOCK: its amax over every block, then its values."""
+    """Per-token scales of a row wider than MAX_BLOCK, in more rows than are split: one program a row, its amax
+    over every block, then its values."""
     monkeypatch.setattr(fp8_activations, "MAX_BLOCK", 256)
+    monkeypatch.setattr(fp8_activations, "SPLIT_MAX_ROWS", 2)
     x = 3 * rows(3, 2 * 700, torch.bfloat16, seed=3)
     scales = (torch.rand(3, device=DEVICE) + 0.5, torch.rand(1400, device=DEVICE) + 0.5) if scaled else None
+    got = fp8_activations.silu_and_mul_quant(x, None, scales)
+    assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x, scales), None))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_few_wide_rows_are_split_over_programs_with_the_rows_scale(monkeypatch, scaled):
+    """A few rows wider than MAX_BLOCK: each row's blocks in programs of their own (a ragged last block), the
+    row's amax gathered from its blocks before any value is stored; an all-zero row among them."""
+    monkeypatch.setattr(fp8_activations, "MAX_BLOCK", 256)
+    monkeypatch.setattr(fp8_activations, "SPLIT_BLOCK", 128)
+    x = 3 * rows(4, 2 * 700, torch.bfloat16, seed=5)
+    x[2] = 0.0
+    scales = (torch.rand(4, device=DEVICE) + 0.5, torch.rand(1400, device=DEVICE) + 0.5) if scaled else None
     got = fp8_activations.silu_and_mul_quant(x, None, scales)
     assert_same_quantization(got, fp8_gemm.quantize_activations(pointwise.silu_and_mul(x, scales), None))
 
