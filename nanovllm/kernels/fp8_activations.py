@@ -23,7 +23,7 @@ import triton.language as tl
 
 from nanovllm.kernels.dependent_launch import enter, pdl_options
 from nanovllm.kernels.fp8_gemm import _FP8_MAX, _MIN_AMAX, _to_e4m3
-from nanovllm.kernels.pointwise import rms_norm_row, silu_and_mul_cols
+from nanovllm.kernels.pointwise import rms_norm_row, silu_and_mul_block, silu_and_mul_cols
 
 MAX_BLOCK = 4096        # widest row a program holds in registers (wider rows: two passes of MAX_BLOCK columns)
 SPLIT_MAX_ROWS = 48     # up to this many rows wider than MAX_BLOCK, each row's blocks in programs of their own
@@ -128,11 +128,9 @@ def _silu_and_mul_block_amax_kernel(x_ptr, amax_ptr, row_scale_ptr, col_scale_pt
     """Program (row, block of columns): the block's amax of SiLU(gate) * up, to amax[row, block]."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    rs = tl.load(row_scale_ptr + row) if SCALED else 1.0
-    y = silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width, rs, col_scale_ptr, SCALED).to(tl.float32)
-    tl.store(amax_ptr + row * num_blocks + tl.program_id(1), tl.max(tl.abs(y), 0))
+    y, _, _ = silu_and_mul_block(x_ptr, row, tl.program_id(1), width, stride_x, row_scale_ptr, col_scale_ptr,
+                                 SCALED, BLOCK)
+    tl.store(amax_ptr + row * num_blocks + tl.program_id(1), tl.max(tl.abs(y.to(tl.float32)), 0))
 
 
 @triton.jit
@@ -146,14 +144,10 @@ def _silu_and_mul_quant_blocks_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, row_scale_p
     block = tl.program_id(1)
     b = tl.arange(0, BLOCKS)
     block_amax = tl.load(amax_ptr + row * num_blocks + b, mask=b < num_blocks, other=0.0)
-    offs = tl.arange(0, BLOCK)
     scale = _row_scale(tl.zeros([BLOCK], tl.float32) + tl.max(block_amax, 0))
-    cols = block * BLOCK + offs
-    ok = cols < width
-    rs = tl.load(row_scale_ptr + row) if SCALED else 1.0
-    y = silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width, rs, col_scale_ptr, SCALED).to(tl.float32)
-    _store_token(y, scale, q_ptr + row * stride_q + cols, ok, INTERPRET)
-    tl.store(s_ptr + row + offs, scale, mask=(offs + block) == 0)
+    y, cols, ok = silu_and_mul_block(x_ptr, row, block, width, stride_x, row_scale_ptr, col_scale_ptr, SCALED, BLOCK)
+    _store_token(y.to(tl.float32), scale, q_ptr + row * stride_q + cols, ok, INTERPRET)
+    tl.store(s_ptr + row + cols, scale, mask=cols == 0)
 
 
 def _outputs(num_rows: int, width: int, group_size: int | None, device: torch.device

@@ -34,14 +34,22 @@ def silu_and_mul_cols(x_row_ptr, cols, ok, width, row_scale, col_scale_ptr, SCAL
 
 
 @triton.jit
+def silu_and_mul_block(x_ptr, row, block, width, stride_x, row_scale_ptr, col_scale_ptr, SCALED: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """SiLU(gate) * up over the row's block-th BLOCK columns (silu_and_mul_cols): (values, columns, mask)."""
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
+    return silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width, row_scale, col_scale_ptr, SCALED), cols, ok
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, row_scale_ptr, col_scale_ptr, width, stride_x, stride_out,
                          SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
-    y = silu_and_mul_cols(x_ptr + row * stride_x, cols, ok, width, row_scale, col_scale_ptr, SCALED)
+    y, cols, ok = silu_and_mul_block(x_ptr, row, tl.program_id(1), width, stride_x, row_scale_ptr, col_scale_ptr,
+                                     SCALED, BLOCK)
     tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
 
 
