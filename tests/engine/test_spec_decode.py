@@ -36,7 +36,7 @@ def plain(tiny_model):
         yield llm
 
 
-@pytest.fixture(scope="module", params=[1, 3, 5], ids=lambda k: f"k={k}")
+@pytest.fixture(scope="module", params=[1, 3, 5, 31], ids=lambda k: f"k={k}")   # 31: the lookup workload's best
 def spec(tiny_model, request):
     with engine(tiny_model, ngram(request.param)) as llm:
         yield llm
