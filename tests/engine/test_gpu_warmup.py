@@ -62,15 +62,22 @@ def test_speculative_verification_replays_decode_graphs_and_compiles_nothing_aft
             return replay
         graphs.decode = recorded_decode
         with recorded_compilations() as compiled:
-            outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-            for options in (dict(temperature=0.8, top_p=0.9, logprobs=2), dict(temperature=0.6, seed=3, n=2)):
-                for batch in (prompts[:1], prompts[:3], prompts[:40]):
-                    llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
-            assert llm.stats["spec_decode_draft_tokens"] > 0
+            outputs = speculate_in_every_mode(llm, prompts, greedy)
     assert max(rows for rows, _ in replayed) > 40           # verification steps went through graphs.decode
     assert all(in_graph for _, in_graph in replayed)        # and none ran eagerly (40 x 4 rows fit a graph)
     assert_none_compiled(compiled)
     assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy)
+
+
+def speculate_in_every_mode(llm: LLM, prompts: list, greedy: SamplingParams) -> list[list[int]]:
+    """Greedy, then sampled with top-p and log-probs, then seeded n = 2, each at 1, 3 and 40 sequences; drafts
+    were proposed. Returns the greedy token ids."""
+    outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    for options in (dict(temperature=0.8, top_p=0.9, logprobs=2), dict(temperature=0.6, seed=3, n=2)):
+        for batch in (prompts[:1], prompts[:3], prompts[:40]):
+            llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
+    assert llm.stats["spec_decode_draft_tokens"] > 0
+    return outputs
 
 
 def assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy):
@@ -119,11 +126,7 @@ def test_a_drafter_compiles_nothing_after_start_up_and_keeps_the_greedy_tokens(m
                 return replay
             draft_graphs.decode = recorded_decode
         with recorded_compilations() as compiled:
-            outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-            for options in (dict(temperature=0.8, top_p=0.9, logprobs=2), dict(temperature=0.6, seed=3, n=2)):
-                for batch in (prompts[:1], prompts[:3], prompts[:40]):
-                    llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True, **options), use_tqdm=False)
-            assert llm.stats["spec_decode_draft_tokens"] > 0
+            outputs = speculate_in_every_mode(llm, prompts, greedy)
         assert (method == "draft_model") == (sum(replayed) > 0)
     assert_none_compiled(compiled)
     assert_greedy_up_to_near_ties(model_dir, prompts, outputs, greedy)
