@@ -43,6 +43,18 @@ def engine_pid(server) -> int:
     return pid
 
 
+def kill_engine(server) -> tuple[int, float]:
+    """SIGKILL the server's engine process; the server's exit code and the seconds it took to exit (a test
+    failure, with its output, past EXIT_WITHIN)."""
+    begin = time.monotonic()
+    os.kill(engine_pid(server), signal.SIGKILL)
+    try:
+        returncode = server.process.wait(EXIT_WITHIN)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit within {EXIT_WITHIN} s of its engine's death:\n{server.output()[-3000:]}")
+    return returncode, time.monotonic() - begin
+
+
 def running_requests(server) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -90,13 +102,7 @@ def test_engine_killed_mid_requests(start_server):
     assert running_requests(server) == len(requests), "the requests should all be running"
     descendants = server.descendants()
 
-    begin = time.monotonic()
-    os.kill(engine_pid(server), signal.SIGKILL)
-    try:
-        returncode = server.process.wait(EXIT_WITHIN)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the server did not exit within {EXIT_WITHIN} s of its engine's death:\n{server.output()[-3000:]}")
-    took = time.monotonic() - begin
+    returncode, took = kill_engine(server)
     print(f"\nthe server exited {took:.2f} s after its engine was killed, with code {returncode}")
     log = server.output()
     assert returncode == 1, log[-3000:]
@@ -130,11 +136,6 @@ def test_engine_killed_mid_requests(start_server):
 def test_idle_engine_killed(start_server):
     """With no request ever sent (nothing awaits the engine yet), the death is noticed all the same."""
     server = start_server()
-    begin = time.monotonic()
-    os.kill(engine_pid(server), signal.SIGKILL)
-    try:
-        returncode = server.process.wait(EXIT_WITHIN)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the server did not exit within {EXIT_WITHIN} s of its engine's death:\n{server.output()[-3000:]}")
-    print(f"\nthe idle server exited {time.monotonic() - begin:.2f} s after its engine was killed, code {returncode}")
+    returncode, took = kill_engine(server)
+    print(f"\nthe idle server exited {took:.2f} s after its engine was killed, code {returncode}")
     assert returncode == 1 and "the engine process died" in server.output(), server.output()[-3000:]
