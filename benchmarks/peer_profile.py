@@ -83,12 +83,12 @@ def widen_vllm_dummy_weights(bound: float) -> None:
         dummy_loader.initialize_dummy_weights = widened
 
 
-def engine(name: str, model: str, quantization: str | None, structured: dict | None = None):
+def engine(name: str, model: str, quantization: str | None, structured: dict | None = None, device: str = "cuda"):
     """(generate(prompts, max_tokens list, temperature) -> output token count, exit). `structured`: every
-    request under these StructuredOutputsParams fields (vLLM's names in both engines)."""
+    request under these StructuredOutputsParams fields (vLLM's names in both engines). `device`: ours only."""
     if name == "ours":
         from nanovllm import LLM, SamplingParams
-        llm = LLM(model, load_format="dummy", quantization=quantization, max_model_len=16384)
+        llm = LLM(model, load_format="dummy", quantization=quantization, max_model_len=16384, device=device)
         extra = {} if structured is None else {"structured_outputs": structured}
 
         def generate(prompts, max_tokens, temperature):
@@ -128,6 +128,9 @@ def main() -> None:
     parser.add_argument("--profile-seqs", type=int, default=256,
                         help="sequences in the profiled steps (the workload's first N prompts)")
     parser.add_argument("--profile-only", action="store_true", help="no timed workload before the profile")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="ours: cpu for tests (on a GPU box too, where an engine on the GPU beside the GPU "
+                             "tests' would take the memory they count on)")
     args = parser.parse_args()
     if not 1 <= args.profile_seqs <= 256:
         parser.error("--profile-seqs takes 1 to 256 (the workload's requests)")
@@ -137,10 +140,12 @@ def main() -> None:
         if args.engine != "vllm":
             parser.error("--dummy-range applies to vLLM's dummy weights")
         widen_vllm_dummy_weights(args.dummy_range)
+    if args.device == "cpu" and args.engine != "ours":
+        parser.error("--device cpu runs ours only (vLLM's build here is CUDA's)")
     structured = None
     if args.structured_outputs:
         structured = STRUCTURED_PRESETS.get(args.structured_outputs) or json.loads(args.structured_outputs)
-    generate, exit_engine = engine(args.engine, args.model, args.quantization, structured)
+    generate, exit_engine = engine(args.engine, args.model, args.quantization, structured, args.device)
     workload = make_workload(256, 1024, 1024, seed=0)
     generate(workload.prompts[:2], [16, 16], 0.6)                       # warm-up
     if args.full_warm_up:   # vLLM's own warm-up leaves some MoE tiles to compile inside the first big batches

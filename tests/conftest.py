@@ -23,7 +23,18 @@ import torch  # noqa: E402
 if XDIST_WORKERS:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))    # in case torch was imported before this file
 
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+# pytest-xdist's workers collect the tests each on its own, and the ids they collect must agree. A worker that
+# could not reach the GPU the controller saw (it happened once on the H100 box, with another process starting
+# CUDA beside the workers) would collect other ids and run the GPU tests through the interpreter: say so
+# instead of xdist's bare "Different tests were collected".
+if not XDIST_WORKERS:
+    os.environ["NANOVLLM_TESTS_CUDA"] = str(int(CUDA))     # the controller's view, which its workers inherit
+elif os.environ.get("NANOVLLM_TESTS_CUDA", str(int(CUDA))) != str(int(CUDA)):
+    raise pytest.UsageError(f"xdist worker {os.environ['PYTEST_XDIST_WORKER']} sees CUDA: {CUDA}, pytest's "
+                            f"controller saw {not CUDA}; rerun with the GPU free of other processes")
+
+if not CUDA:
     # must be set before triton is first imported, so that @triton.jit kernels run on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -101,12 +112,11 @@ def pytest_collection_modifyitems(config, items):
 
     Tests that share a module- or class-scoped fixture (a server, an engine, a reference model) are kept on
     one worker, so that it is set up once, not once per worker their tests land on."""
-    cuda = torch.cuda.is_available()
     for item in items:
         if item.get_closest_marker("xdist_group"):     # xdist would join two groups' names into a third
             raise pytest.UsageError(f"{item.nodeid}: xdist groups are given in tests/conftest.py only")
         fixtures = getattr(item, "_fixtureinfo", None)
-        if cuda and item.get_closest_marker("cpu_only") is None:
+        if CUDA and item.get_closest_marker("cpu_only") is None:
             item.add_marker(pytest.mark.xdist_group("cuda"))
         elif fixtures and any(defs[-1].scope in ("class", "module", "package")
                               for defs in fixtures.name2fixturedefs.values()):

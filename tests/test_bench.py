@@ -507,12 +507,15 @@ def test_the_side_by_side_profile_takes_a_small_batch_alone(checkpoint, capsys, 
     """peer_profile.py --profile-only --profile-seqs 2: no timed workload, the profiled steps of the workload's
     first two prompts (on the CPU the table's GPU time is zero; the run and its report are what is checked)."""
     from benchmarks import peer_profile
-    monkeypatch.setattr("sys.argv", ["peer_profile.py", str(checkpoint), "--engine", "ours", "--profile-only",
-                                     "--profile-seqs", "2", "--rows", "3"])
+    monkeypatch.setattr("sys.argv", ["peer_profile.py", str(checkpoint), "--engine", "ours", "--device", "cpu",
+                                     "--profile-only", "--profile-seqs", "2", "--rows", "3"])
     peer_profile.main()
     out = capsys.readouterr().out
     assert '"workload": "standard"' not in out                  # the timed run was left out
     assert "2 cached prompts" in out and "decode steps of 2 sequences" in out
     monkeypatch.setattr("sys.argv", ["peer_profile.py", str(checkpoint), "--engine", "ours", "--profile-seqs", "0"])
+    with pytest.raises(SystemExit):
+        peer_profile.main()
+    monkeypatch.setattr("sys.argv", ["peer_profile.py", str(checkpoint), "--engine", "vllm", "--device", "cpu"])
     with pytest.raises(SystemExit):
         peer_profile.main()
