@@ -165,7 +165,7 @@ def main() -> None:
     # step of 256 new tokens and decode steps of 256 sequences (or of --profile-seqs)
     prompts = [paged_prompt(prompt) for prompt in workload.prompts[:args.profile_seqs]]
     num_seqs = len(prompts)
-    short = [PROFILED_TOKENS] * len(prompts)
+    short = [PROFILED_TOKENS] * num_seqs
     generate(prompts, short, 0.6)                                       # every prompt now in the prefix cache
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = perf_counter()
