@@ -6,6 +6,7 @@ the rotated key and the value into their slots: on a GPU in the same Triton kern
 launch fewer per layer), on CPU through the reference store. rope_parameters reads a config's rope
 settings. Attention decides which of its backends may take the fused write (layers/attention.py)."""
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -49,16 +50,32 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+# the cos/sin tables alive, by what they are built from: a model's layers share one (a 40,960-position table
+# is 20 MiB, 0.94 GiB over Qwen3-30B-A3B's 48 layers, room the KV cache is sized into); weak, so that a
+# dropped model's table goes with it
+_tables: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
 
-    def __init__(self, head_size: int, max_position: int, base: float, scaling: dict | None = None):
-        super().__init__()
+
+def cos_sin_table(head_size: int, max_position: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+    """[max_position, head_size] float32 on the default device: each position's cos (first half) and sin
+    (second half) of its angles; the same tensor for the same arguments while one is alive."""
+    key = (head_size, max_position, float(base), repr(sorted((scaling or {}).items())), str(torch.get_default_device()))
+    table = _tables.get(key)
+    if table is None:
         exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
         inv_freq = 1.0 / (base ** exponents)
         if scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        table = _tables[key] = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return table
+
+
+class RotaryEmbedding(nn.Module):
+
+    def __init__(self, head_size: int, max_position: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        self.register_buffer("cos_sin_cache", cos_sin_table(head_size, max_position, base, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, *,
