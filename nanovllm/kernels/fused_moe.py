@@ -16,7 +16,8 @@ every grid depends on the token count T alone, and T-dependent integers are neve
    block's expert's gate rows and up rows (two float32 accumulators over the same columns), then
    silu(gate) * up -> act[pair] ([T*k, I]).
 4. `_down_kernel`, a program per (row block, tile of H columns): act rows times the expert's down
-   projection, times the pair's routing weight -> out_pairs[pair] ([T*k, H]).
+   projection, times the pair's routing weight -> out_pairs[pair] ([T*k, H]); over DOWN_CHUNK_TOKENS
+   tokens at a time (their pairs grouped again by 1-2), so that a long prefill's pair outputs stay small.
 5. `_sum_kernel`: each token's k rows summed in float32. No atomics on outputs: results are bitwise
    the same on every call, whatever the layout of the blocks.
 The roundings are the torch oracle's (nanovllm.layers.fused_moe): gate, up, silu(gate), the product,
@@ -42,6 +43,10 @@ from nanovllm.kernels.fp8_gemm import GROUP, quantize_activations
 from nanovllm.kernels.launch import launch
 
 SCAN_CHUNK = 1024      # pair ids read per step by the counting and placing scans
+# down and the k-sum take at most this many tokens a launch: a long prefill's [T*k, H] pair outputs were its
+# largest activation (Qwen3-30B-A3B at 16,384 tokens: 512 MiB, half the warm-up's peak, which the KV cache's
+# sizing leaves free); at 8,192 the attention's buffers are as large, so smaller chunks would free no more
+DOWN_CHUNK_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -454,23 +459,41 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         EVEN_K=hidden_size % tile.block_k == 0, PRECISION=precision, SCALES=scales, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
 
+    # down and the k-sum over at most DOWN_CHUNK_TOKENS tokens at a time (the tokens' pairs grouped again),
+    # each pair through the same tile as unchunked: bitwise the same result, a smaller [pairs, H] buffer
+    out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+    for start in range(0, num_tokens, DOWN_CHUNK_TOKENS):
+        end = min(num_tokens, start + DOWN_CHUNK_TOKENS)
+        pairs = slice(start * top_k, end * top_k)
+        if end - start < num_tokens:
+            sorted_pairs, block_expert = group_pairs(flat_ids[pairs], num_experts, config)
+        # a sum of one is already rounded once: the pairs' outputs are the tokens'
+        out_pairs = out[start:end] if top_k == 1 else torch.empty((end - start) * top_k, hidden_size, dtype=dtype,
+                                                                  device=device)
+        _down(act[pairs], w2, sorted_pairs, block_expert, flat_weights[pairs], out_pairs, w2_scale, scales, config,
+              precision)
+        if top_k > 1:
+            block_h = min(1024, triton.next_power_of_2(hidden_size))
+            _sum_kernel[(end - start, triton.cdiv(hidden_size, block_h))](
+                out_pairs, out[start:end], hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+                BLOCK_H=block_h, PRECISION=precision, num_warps=4)
+        del out_pairs                   # before the next chunk's: one chunk's pair outputs alive at a time
+    return out
+
+
+def _down(act: torch.Tensor, w2: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+          weights: torch.Tensor, out_pairs: torch.Tensor, w2_scale: torch.Tensor | None, scales: str,
+          config: MoeConfig, precision: str) -> None:
+    """out_pairs[pair] = weights[pair] * (act[pair] @ the pair's expert's down projection), for the pairs
+    grouped as sorted_pairs / block_expert say (ids into act, weights and out_pairs)."""
+    hidden_size, inter_size = w2.shape[1], w2.shape[2]
     tile = config.down
     a, a_scale, w2_scale, _ = _operands(act, w2_scale, scales, 0)
-    out_pairs = torch.empty(num_pairs, hidden_size, dtype=dtype, device=device)
-    launch(_down_kernel, (num_blocks * triton.cdiv(hidden_size, tile.block_n),),
-        a, w2, sorted_pairs, block_expert, flat_weights, out_pairs, a_scale, w2_scale, hidden_size, inter_size,
+    launch(_down_kernel, (block_expert.numel() * triton.cdiv(hidden_size, tile.block_n),),
+        a, w2, sorted_pairs, block_expert, weights, out_pairs, a_scale, w2_scale, hidden_size, inter_size,
         w2.stride(0), w2.stride(1), a_scale.stride(0), w2_scale.stride(0), _inner_stride(w2_scale),
         BLOCK_M=config.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_size % tile.block_k == 0,
         PRECISION=precision, SCALES=scales, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if top_k == 1:                                  # a sum of one: already rounded once
-        return out_pairs
-
-    out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    _sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out_pairs, out, hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
-        PRECISION=precision, num_warps=4)
-    return out
 
 
 def _operands(x: torch.Tensor, weight_scale: torch.Tensor | None, scales: str,

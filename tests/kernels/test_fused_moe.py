@@ -201,6 +201,29 @@ def test_fp8_experts_match_the_oracle(dtype, scheme):
     assert not torch.allclose(out.float(), oracle.fused_moe(x, w13, w2, weights, ids).float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("experts", ["bfloat16", "float32", "fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_down_in_token_chunks_gives_the_same_bits(monkeypatch, experts, top_k):
+    """A long prefill's down projection and k-sum run DOWN_CHUNK_TOKENS tokens at a time (their pairs grouped
+    again): 33 tokens in chunks of 8 (and a ragged last one) give bitwise the one-launch result."""
+    dtype = torch.float32 if experts == "float32" else torch.bfloat16
+    hidden, inter = (256, 192) if experts.startswith("fp8") else (48, 40)
+    w13, w2 = _weights(8, hidden, inter, dtype)
+    scales = {}
+    if experts.startswith("fp8"):
+        w13, w2, s13, s2 = _fp8_experts(w13, w2, experts.removeprefix("fp8-"))
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    x, weights, ids = _inputs(33, hidden, 8, top_k, dtype)
+    config = SMALL if not scales else MoeConfig(16, Tile(32, 128, 4, 2), Tile(32, 128, 4, 2))
+    whole = kernels.fused_moe(x, w13, w2, weights, ids, config, **scales)
+    monkeypatch.setattr(kernels, "DOWN_CHUNK_TOKENS", 8)
+    chunked = kernels.fused_moe(x, w13, w2, weights, ids, config, **scales)
+    assert torch.equal(chunked, whole)
+    _moe_vs_oracle(x, w13, w2, weights, ids, config, **scales)      # and right, chunked
+    monkeypatch.setattr(kernels, "DOWN_CHUNK_TOKENS", 33)
+    assert torch.equal(kernels.fused_moe(x, w13, w2, weights, ids, config, **scales), whole)
+
+
 def test_fused_moe_no_tokens():
     w13, w2 = _weights(4, 32, 16, torch.float32)
     out = kernels.fused_moe(torch.empty(0, 32, device=DEVICE), w13, w2, torch.empty(0, 2, device=DEVICE),
@@ -268,6 +291,31 @@ def test_gpu_qwen_shape(qwen_weights, num_tokens):
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
     out = _moe_vs_oracle(x, w13, w2, weights, ids, ulps=4)
     assert torch.equal(kernels.fused_moe(x, w13, w2, weights, ids), out)         # bitwise, call to call
+
+
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["none", "channel"])
+def test_gpu_long_prefill_in_down_chunks(monkeypatch, qwen_experts, scheme):
+    """12,345 tokens at Qwen3-30B-A3B's shape: down and the k-sum in two chunks (8,192 + a ragged 4,153),
+    bitwise the one-launch result, and the largest buffer half as large."""
+    w13, w2, s13, s2 = qwen_experts[scheme]
+    x, weights, ids = _inputs(12345, QWEN["hidden"], QWEN["num_experts"], QWEN["top_k"], torch.bfloat16)
+    ids = ids.int()
+
+    def run():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+
+    chunked, chunked_peak = run()
+    monkeypatch.setattr(kernels, "DOWN_CHUNK_TOKENS", 1 << 30)
+    whole, whole_peak = run()
+    assert torch.equal(chunked, whole)
+    pair_outputs = 12345 * QWEN["top_k"] * QWEN["hidden"] * 2
+    assert whole_peak - chunked_peak >= pair_outputs * (1 - 8192 / 12345) * 0.9
 
 
 @needs_cuda
