@@ -4,8 +4,9 @@ output is their outputs weighted by the router's probabilities.
 The experts' weights are stacked, [experts, 2 x intermediate, hidden] for gate and up (one matmul, as
 the dense MLP's gate_up_proj) and [experts, hidden, intermediate] for down. Tensor parallel splits each
 expert's intermediate dimension over the ranks, as a dense MLP's, and sums the partial outputs with one
-all-reduce; the router is replicated. On a GPU the Triton kernels in nanovllm.kernels.fused_moe do the
-routing and the grouped GEMMs; the torch functions here are the CPU path and the kernels' oracle.
+all-reduce; the router is replicated. On a GPU the Triton kernels in nanovllm.kernels.moe_routing and
+nanovllm.kernels.fused_moe do the routing and the grouped GEMMs; the torch functions here are the CPU path
+and the kernels' oracle.
 
 The experts hold, load and run their weights through the quantization method the model was built under
 (layers/quantization: `quant_method`, the model's dtype by default): FP8 experts are e4m3 with float32 scales,
@@ -130,8 +131,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if hidden_states.is_cuda:
-            from nanovllm.kernels import fused_moe as kernels
-            topk_weights, topk_ids = kernels.route(router_logits, self.top_k, self.renormalize)
+            from nanovllm.kernels import moe_routing
+            topk_weights, topk_ids = moe_routing.route(router_logits, self.top_k, self.renormalize)
         else:
             topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
         out = self.quant_method.apply_moe(self, hidden_states, topk_weights, topk_ids)

@@ -12,6 +12,7 @@ import torch
 from compilations import assert_none_compiled, recorded_compilations
 from nanovllm.kernels import fused_moe as kernels
 from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, config_token_counts, group_pairs
+from nanovllm.kernels.moe_routing import route
 from nanovllm.layers import fused_moe as oracle
 from nanovllm.layers.quantization.fp8 import fp8_linear_torch, quantize_experts
 
@@ -83,44 +84,6 @@ def _moe_vs_oracle(x, w13, w2, weights, ids, config=None, ulps=None, w13_scale=N
     _check(out, ref, ulps or (64 if x.dtype == torch.float32 else 2),
            FP8_GPU_NORMWISE if x.is_cuda and w13_scale is not None else 1.0)
     return out
-
-
-# ---- routing --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 2), (8, 8), (16, 8), (60, 4), (64, 8)])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_route_matches_torch(num_experts, top_k, renormalize):
-    logits = torch.randn(7, num_experts, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(num_experts))
-    weights, ids = kernels.route(logits, top_k, renormalize)
-    ref_weights, ref_ids = oracle.route(logits, top_k, renormalize)
-    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    assert torch.equal(ids.long(), ref_ids)         # float32 logits: no ties
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
-    if renormalize:
-        torch.testing.assert_close(weights.sum(1), torch.ones(7, device=DEVICE))
-
-
-def test_route_16_bit_logits_and_ties():
-    """bf16 logits tie often: any of the tied experts is right, and the weights are the same; exact ties
-    go to the lowest ids (torch.topk's order among ties is unspecified)."""
-    torch.manual_seed(0)
-    logits = (2 * torch.randn(33, 60, device=DEVICE)).to(torch.bfloat16)
-    weights, ids = kernels.route(logits, 8, False)
-    ref_weights, _ = oracle.route(logits, 8, False)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
-    probs = torch.softmax(logits.float(), -1)
-    torch.testing.assert_close(probs.gather(1, ids.long()), weights, rtol=1e-5, atol=1e-7)
-    assert (ids.sort(1).values.diff(dim=1) > 0).all()                   # distinct experts
-
-    flat = torch.zeros(2, 12, device=DEVICE)
-    flat[1, [3, 7, 9]] = 1.0                                            # three tied leaders, then nine ties
-    weights, ids = kernels.route(flat, 5, True)
-    assert ids.tolist() == [[0, 1, 2, 3, 4], [3, 7, 9, 0, 1]]
-    torch.testing.assert_close(weights[0], torch.full((5,), 0.2, device=DEVICE))
-
-
-def test_route_empty():
-    weights, ids = kernels.route(torch.empty(0, 8, device=DEVICE), 2, True)
-    assert weights.shape == ids.shape == (0, 2)
 
 
 # ---- grouping -------------------------------------------------------------------------------------------
@@ -282,7 +245,7 @@ def test_gpu_qwen_shape(qwen_weights, num_tokens):
     w13, w2 = qwen_weights
     x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
     logits = torch.randn(num_tokens, QWEN["num_experts"], device="cuda")
-    weights, ids = kernels.route(logits, QWEN["top_k"], True)
+    weights, ids = route(logits, QWEN["top_k"], True)
     ref_weights, ref_ids = oracle.route(logits, QWEN["top_k"], True)
     # the exponentials differ in the last bit: two experts within that of each other may swap places
     assert (ids.long() == ref_ids).float().mean() > 0.999
@@ -372,7 +335,7 @@ def test_gpu_cuda_graph_replay(qwen_experts, scheme):
     logits = torch.randn(64, QWEN["num_experts"], device="cuda")
 
     def step():
-        weights, ids = kernels.route(logits, QWEN["top_k"], True)
+        weights, ids = route(logits, QWEN["top_k"], True)
         return kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
     step()                                                                      # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -394,7 +357,7 @@ def test_gpu_no_compilation_past_warm_up(qwen_experts, scheme):
 
     def step(num_tokens):
         x = torch.randn(num_tokens, QWEN["hidden"], device="cuda").bfloat16()
-        weights, ids = kernels.route(torch.randn(num_tokens, QWEN["num_experts"], device="cuda"), 8, True)
+        weights, ids = route(torch.randn(num_tokens, QWEN["num_experts"], device="cuda"), 8, True)
         kernels.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
     for t in config_token_counts(8, QWEN["num_experts"]):
         step(t)
