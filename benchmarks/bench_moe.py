@@ -1,5 +1,5 @@
-"""MoE kernel benchmark: route + fused_moe (nanovllm.kernels.fused_moe) on one CUDA GPU, random weights, bf16
-or FP8 experts (--fp8 channel|block: e4m3 weights with per-row or 128x128-block scales).
+"""MoE kernel benchmark: route + fused_moe (nanovllm.kernels.moe_routing, .fused_moe) on one CUDA GPU, random
+weights, bf16 or FP8 experts (--fp8 channel|block: e4m3 weights with per-row or 128x128-block scales).
 
     PYTHONPATH=. python benchmarks/bench_moe.py [--shape qwen3-30b-a3b|mixtral] [--fp8 channel|block] [--json] [--sweep]
 
@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py's floor uses)
-from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, fused_moe, route  # noqa: E402
+from nanovllm.kernels.fused_moe import MoeConfig, Tile, choose_config, fused_moe  # noqa: E402
+from nanovllm.kernels.moe_routing import route  # noqa: E402
 from nanovllm.layers.quantization.fp8 import quantize_experts  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
