@@ -417,6 +417,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     # down and the k-sum over at most DOWN_CHUNK_TOKENS tokens at a time (the tokens' pairs grouped again),
     # each pair through the same tile as unchunked: bitwise the same result, a smaller [pairs, H] buffer
     out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
     for start in range(0, num_tokens, DOWN_CHUNK_TOKENS):
         end = min(num_tokens, start + DOWN_CHUNK_TOKENS)
         pairs = slice(start * top_k, end * top_k)
@@ -428,7 +429,6 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         _down(act[pairs], w2, sorted_pairs, block_expert, flat_weights[pairs], out_pairs, w2_scale, scales, config,
               precision)
         if top_k > 1:
-            block_h = min(1024, triton.next_power_of_2(hidden_size))
             _sum_kernel[(end - start, triton.cdiv(hidden_size, block_h))](
                 out_pairs, out[start:end], hidden_size, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
                 BLOCK_H=block_h, PRECISION=precision, num_warps=4)
