@@ -72,9 +72,8 @@ class AsyncLLM:
             self._stop_process()
             raise
         self.model: str = info.model
-        self.max_model_len: int = info.max_model_len
-        self.limits = RequestLimits(info.vocab_size, info.max_model_len, info.kvcache_block_size,
-                                    info.num_kvcache_blocks)
+        self.max_model_len: int = info.limits.max_model_len
+        self.limits: RequestLimits = info.limits
         self.tokenizer = AutoTokenizer.from_pretrained(self.model)
         self.processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}

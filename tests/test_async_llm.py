@@ -207,6 +207,9 @@ def test_refusals_raise_before_anything_runs_and_the_engine_goes_on(engine):
             await collect(engine, [100000], SamplingParams(), "bad-token")
         with pytest.raises(TypeError, match="SamplingParams"):
             await collect(engine, [1, 2], {"max_tokens": 3}, "bad-params")
+        eos = min(engine.limits.eos_token_ids)      # the engine's eos ids reach the caller's process
+        with pytest.raises(ValueError, match="allowed_token_ids allows"):
+            await collect(engine, [1, 2], SamplingParams(min_tokens=2, allowed_token_ids=[eos]), "nothing-left")
         first = engine.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "twin")
         await first.__anext__()
         with pytest.raises(ValueError, match="already running"):

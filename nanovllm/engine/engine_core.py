@@ -31,9 +31,7 @@ class EngineCore:
         self._stats_sent = float("-inf")            # when the figures last went out
 
     def info(self) -> EngineInfo:
-        config, block_manager = self.engine.config, self.engine.scheduler.block_manager
-        return EngineInfo(config.model, config.max_model_len, self.engine.vocab_size, config.kvcache_block_size,
-                          len(block_manager.blocks))
+        return EngineInfo(self.engine.config.model, self.engine.limits)
 
     def run(self) -> None:
         """Step while there is work; block on the pipe while there is none. Returns on shutdown or when the

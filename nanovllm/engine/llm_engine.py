@@ -51,7 +51,7 @@ class LLMEngine:
         self.spec_decode = SpeculativeDecoding(config, self.scheduler, partial(self._call, "propose_drafts")) \
             if config.speculative_config else None
         self.limits = RequestLimits(config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
-                                    self.model_runner.num_kvcache_blocks)
+                                    self.model_runner.num_kvcache_blocks, config.eos_token_ids)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, config.eos_token_ids,
                                                     REASONING_MARKERS.get(config.reasoning_parser),

@@ -7,6 +7,7 @@ messages between AsyncLLM's process and the engine's (engine_core.py).
 """
 from dataclasses import dataclass, field
 
+from nanovllm.engine.request_check import RequestLimits
 from nanovllm.sampling_params import SamplingParams
 
 # a request's or a setting's fault: raised to the caller as they are; anything else is the engine's
@@ -60,10 +61,7 @@ class Shutdown:
 @dataclass
 class EngineInfo:
     model: str
-    max_model_len: int
-    vocab_size: int
-    kvcache_block_size: int
-    num_kvcache_blocks: int
+    limits: RequestLimits       # what the engine checks a request against, for the frontend to check first
 
 
 @dataclass

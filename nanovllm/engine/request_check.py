@@ -9,11 +9,13 @@ from nanovllm.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What a request is checked against: the vocabulary, the context and the KV cache's size."""
+    """What a request is checked against: the vocabulary, the context, the KV cache's size and the
+    end-of-sequence ids (which min_tokens bans as it bans stop tokens)."""
     vocab_size: int
     max_model_len: int
     block_size: int
     num_blocks: int
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 def checked_request(tokenizer, prompt: str | list[int] | dict, sampling_params: SamplingParams,
@@ -82,6 +84,7 @@ def check_request(token_ids: list[int], sampling_params: SamplingParams, limits:
         bad = [t for t in ids if t >= limits.vocab_size]
         if bad:
             raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
+    check_min_tokens_leave_a_token(sampling_params, limits.eos_token_ids)
     check_structured_outputs(sampling_params.structured_outputs)
     room = max_len if sampling_params.max_tokens is None else sampling_params.max_tokens     # None: to max_model_len
     longest = min(len(token_ids) + room, max_len)
@@ -89,3 +92,15 @@ def check_request(token_ids: list[int], sampling_params: SamplingParams, limits:
         raise ValueError(f"a request of up to {longest} tokens can never fit in the KV cache of "
                          f"{limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or "
                          f"give the cache more blocks")
+
+
+def check_min_tokens_leave_a_token(sampling_params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
+    """min_tokens bans the stop tokens and eos (unless ignored) until that many tokens exist; if those are
+    all allowed_token_ids allows, no token could be sampled (a row of -inf logits)."""
+    p = sampling_params
+    if not p.min_tokens or p.allowed_token_ids is None:
+        return
+    banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+    if banned.issuperset(p.allowed_token_ids):
+        raise ValueError(f"every token allowed_token_ids allows is a stop token or eos, which min_tokens="
+                         f"{p.min_tokens} bans until {p.min_tokens} tokens exist: no token could be sampled")

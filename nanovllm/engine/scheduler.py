@@ -242,7 +242,7 @@ class Scheduler:
             self.block_manager.hash_blocks(seq)
             if self.stops_on(seq, token_id):
                 seq.finish_reason = "stop"
-                seq.stop_reason = token_id if token_id in seq.stop_token_ids else None
+                seq.stop_reason = self.stop_reason(seq, token_id)
             elif seq in self.finishing and not seq.num_pending_tokens:
                 seq.finish_reason = "length"
             else:
@@ -257,6 +257,12 @@ class Scheduler:
         known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens   # completion tokens, this one too
         return known > seq.sampling_params.min_tokens and (
             token_id in seq.stop_token_ids or (not seq.ignore_eos and token_id in self.eos_token_ids))
+
+    def stop_reason(self, seq: Sequence, token_id: int) -> int | None:
+        """The stop_reason of seq stopped on token_id: None for eos (checked first, as vLLM does, so also
+        where eos is listed in stop_token_ids), else the stop token."""
+        on_eos = not seq.ignore_eos and token_id in self.eos_token_ids
+        return token_id if token_id in seq.stop_token_ids and not on_eos else None
 
     def finish(self, seq: Sequence, finish_reason: str) -> None:
         """End seq now, between steps (a stop string found in its text): like eos found a step late, a

@@ -172,7 +172,7 @@ class SpeculativeDecoding:
             self.block_manager.release_lookahead(seq)
             self.block_manager.hash_blocks(seq)
             if stop_token is not None:
-                seq.stop_reason = stop_token if stop_token in seq.stop_token_ids else None
+                seq.stop_reason = self.scheduler.stop_reason(seq, stop_token)
                 reason = "stop"
             elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"

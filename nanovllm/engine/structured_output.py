@@ -139,8 +139,10 @@ class GrammarState:
             return
         if not self.matcher.accept_token(token_id):
             self.broken = True
-            logger.warning("token %d breaks its structured output's grammar (min_tokens longer than the "
-                           "grammar?); the rest of this completion is unconstrained", token_id)
+            logger.warning("token %d breaks its structured output's grammar: the request's own settings left "
+                           "the grammar no token (min_tokens longer than the grammar's output, or "
+                           "allowed_token_ids / logit_bias excluding every token it allows); the rest of "
+                           "this completion is unconstrained", token_id)
 
     def fill_draft_rows(self, draft: list[int], bitmask: torch.Tensor, first: int) -> list[int]:
         """Speculative decoding's masks: row j of a verification (j = 0..len(draft)) samples as if draft[:j]

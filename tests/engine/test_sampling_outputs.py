@@ -445,6 +445,42 @@ def test_eos_stops_with_no_stop_reason_unless_ignored_or_banned(llm, hf, eos_pro
     assert banned["token_ids"][0] == runner_up
 
 
+def test_eos_listed_as_a_stop_token_still_stops_with_no_stop_reason(llm, eos_prompt):
+    """As vLLM checks them: eos first (no stop_reason), then stop_token_ids; with ignore_eos, eos listed as
+    a stop token is only that, and is the stop_reason."""
+    eos = llm.tokenizer.eos_token_id
+    listed, ignored = llm.generate([eos_prompt] * 2, [SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[eos]),
+                                                      greedy(5, stop_token_ids=[eos])], use_tqdm=False)
+    assert listed["token_ids"] == ignored["token_ids"] == [eos]
+    assert (listed["finish_reason"], listed["stop_reason"]) == ("stop", None)
+    assert (ignored["finish_reason"], ignored["stop_reason"]) == ("stop", eos)
+
+
+@pytest.mark.parametrize("options", [dict(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=1),
+                                     dict(allowed_token_ids=["eos"], min_tokens=2),
+                                     dict(allowed_token_ids=["eos", 7], stop_token_ids=[7], min_tokens=3)])
+def test_min_tokens_that_leave_no_allowed_token_are_refused_up_front(llm, options):
+    """min_tokens bans the stop tokens and eos; where allowed_token_ids allows nothing else, no token could
+    be sampled: a ValueError naming it, nothing queued (not a row of -inf logits drawing token 0)."""
+    eos = llm.tokenizer.eos_token_id
+    options = dict(options, allowed_token_ids=[eos if t == "eos" else t for t in options["allowed_token_ids"]])
+    with pytest.raises(ValueError, match="allowed_token_ids allows"):
+        llm.generate([[9, 9, 9], [1, 2, 3]], [greedy(4), SamplingParams(max_tokens=6, **options)], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_min_tokens_with_one_allowed_token_left_samples_it(llm):
+    """The refusal's edges: one allowed token that is not a stop token is enough, and eos is not banned
+    where it is ignored."""
+    eos = llm.tokenizer.eos_token_id
+    left, ignored = llm.generate([[9, 9, 9]] * 2, [
+        SamplingParams(temperature=1.0, seed=0, max_tokens=6, min_tokens=3, allowed_token_ids=[5, 6], stop_token_ids=[5]),
+        SamplingParams(temperature=1.0, seed=0, max_tokens=4, min_tokens=2, allowed_token_ids=[eos], ignore_eos=True)],
+        use_tqdm=False)
+    assert left["token_ids"][:3] == [6, 6, 6] and set(left["token_ids"]) <= {5, 6}
+    assert ignored["token_ids"] == [eos] * 4 and ignored["finish_reason"] == "length"
+
+
 def test_out_of_vocabulary_stop_token_ids_are_refused_up_front(llm):
     """A stop token id the model cannot produce is harmless until min_tokens has to ban it; then the
     engine must refuse the request like an out-of-vocabulary prompt id (ValueError, nothing queued),
