@@ -7,7 +7,8 @@ text (`nanovllm serve --enable-auto-tool-choice --tool-call-parser NAME`, vLLM's
     llama3_json  Llama 3.x: the whole output is a JSON object {"name", "parameters" (or "arguments")},
                  or several separated by ";", optionally after `<|python_tag|>`; anything else is content.
 
-Each parser is incremental: `feed` the text as it streams, get (content delta, tool-call deltas), then
+Calls' arguments come back as strict JSON text: raw control characters a grammar let into a string are
+escaped (JsonStrings). Each parser is incremental: `feed` the text as it streams, get (content delta, tool-call deltas), then
 `finish`; a stream's deltas add up to what the whole text gives at once. A call is sent whole, in one
 delta, once its block is closed (llama3_json: once the output ends, since a later object may spoil it).
 """
@@ -32,9 +33,43 @@ def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+class JsonStrings:
+    """Whether a JSON text read character by character is inside a string (escapes followed), and the text
+    as strict JSON has it: a raw control character (U+0000-U+001F) inside a string escaped as \\u00XX. A
+    grammar may let a model write them raw (xgrammar 0.2.8's strings with maxLength do), and strict parsers
+    (json.loads, JavaScript's JSON.parse) refuse that; escaped, the text means what a lenient parse of it means."""
+
+    def __init__(self):
+        self.in_string = self.escaped = False
+
+    def step(self, char: str) -> str:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+            elif char < " ":
+                return f"\\u{ord(char):04x}"
+        elif char == '"':
+            self.in_string = True
+        return char
+
+    def escape(self, text: str) -> str:
+        return "".join(map(self.step, text))
+
+
+def loads(text: str):
+    """JSON that may hold raw control characters in its strings (see JsonStrings)."""
+    return json.loads(text, strict=False)
+
+
 def arguments_text(arguments) -> str:
-    """A call's arguments as JSON text (a model may write them as an object or as its text)."""
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    """A call's arguments as strict JSON text (a model may write them as an object or as its text)."""
+    if isinstance(arguments, str):
+        return JsonStrings().escape(arguments)
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def as_call(value, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -123,7 +158,7 @@ class HermesToolParser(ToolParser):
     def _block(self, body: str, written: str, calls: list[ToolCallDelta]) -> str:
         """A block's call appended to `calls`; a block that is not a call is content as written."""
         try:
-            found = as_call(json.loads(body), ("arguments", "parameters"))
+            found = as_call(loads(body), ("arguments", "parameters"))
         except ValueError:
             found = None
         if found is None:
@@ -177,7 +212,7 @@ class Llama3JsonToolParser(ToolParser):
     @staticmethod
     def _calls(text: str) -> list[tuple[str, str]] | None:
         """Every call of `obj; obj; ...`, or None if the text is anything else."""
-        decoder, found, at = json.JSONDecoder(), [], 0
+        decoder, found, at = json.JSONDecoder(strict=False), [], 0
         while True:
             while at < len(text) and (text[at].isspace() or (found and text[at] == ";")):
                 at += 1
@@ -200,8 +235,10 @@ class NamedToolCallParser(ToolParser):
     def __init__(self, function_name: str):
         super().__init__()
         self.function_name = function_name
+        self.strings = JsonStrings()      # the arguments streamed as strict JSON
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        text = self.strings.escape(text)
         if not text:
             return "", []
         if self.calls == 0:
@@ -220,7 +257,7 @@ class RequiredToolCallsParser(ToolParser):
     def __init__(self):
         super().__init__()
         self.text, self.scanned, self.depth = "", 0, 0
-        self.in_string = self.escaped = False
+        self.strings = JsonStrings()
         self.element_start = -1
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -228,16 +265,11 @@ class RequiredToolCallsParser(ToolParser):
         calls = []
         for at in range(self.scanned, len(self.text)):      # a JSON scanner: strings, then nesting
             char = self.text[at]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "[{":
+            in_string = self.strings.in_string
+            self.strings.step(char)
+            if in_string or self.strings.in_string:         # in a string, or its opening quote
+                continue
+            if char in "[{":
                 self.depth += 1
                 if self.depth == 2 and char == "{":
                     self.element_start = at
@@ -251,7 +283,7 @@ class RequiredToolCallsParser(ToolParser):
 
     def _element(self, text: str) -> list[ToolCallDelta]:
         try:
-            found = as_call(json.loads(text), ("parameters", "arguments"))
+            found = as_call(loads(text), ("parameters", "arguments"))
         except ValueError:
             found = None
         return [] if found is None else [self.call(*found)]

@@ -42,6 +42,16 @@ CASES = [   # (make parser, text, content, [(name, arguments as an object)])
      None, [("a", {"s": '}]{"'}), ("b", {})]),
     (RequiredToolCallsParser, '[{"name": "a", "parameters": {}}, {"name": "b", "param', None, [("a", {})]),
     (RequiredToolCallsParser, "[not json", "[not json", []),
+    # raw control characters inside strings (a grammar let them through): every call still found, its arguments
+    # strict JSON (run's json.loads is strict) holding the same characters
+    (HermesToolParser, '<tool_call>{"name": "f", "arguments": {"city": "a\x11b\x00"}}</tool_call>', None,
+     [("f", {"city": "a\x11b\x00"})]),
+    (HermesToolParser, '<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"\x1f\\"}"}</tool_call>', None,
+     [("f", {"x": "\x1f"})]),
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"s": "\x02!"}}', None, [("f", {"s": "\x02!"})]),
+    (lambda: NamedToolCallParser("get_weather"), '{"city": "P\x1fa\\"\x07", "unit": "celsius"}', None,
+     [("get_weather", {"city": 'P\x1fa"\x07', "unit": "celsius"})]),
+    (RequiredToolCallsParser, '[{"name": "a", "parameters": {"s": "x\x11"}}]', None, [("a", {"s": "x\x11"})]),
 ]
 
 
