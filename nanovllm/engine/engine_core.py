@@ -130,8 +130,12 @@ class EngineCore:
 
 def run_engine_core(conn: Connection, model: str, llm_kwargs: dict) -> None:
     """The engine process's body: build the engine, say Ready (or why not), serve until told to stop."""
-    # Ctrl-C reaches every process of the terminal's group: the frontend decides when the engine stops
+    # Ctrl-C reaches every process of the terminal's group, and so does a SIGTERM to the group (systemd's
+    # default, timeout(1), kill -TERM -PGID): the frontend decides when the engine stops (its pipe closing
+    # ends the engine too, should the frontend itself die), so its shutdown ends the streams cleanly
+    # rather than reporting the engine dead
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = LLMEngine(model, **llm_kwargs)
     except BaseException as error:
