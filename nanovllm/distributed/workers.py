@@ -228,10 +228,10 @@ class Workers:
 def worker_main(build_runner: Callable[[int, TensorParallelGroup], object], rank: int, world_size: int,
                 device_type: str, signals: Signals, store_port: int, shm_name: str) -> None:
     """A worker process: build this rank's runner (a ModelRunner), then run what rank 0 sends until `exit`."""
-    # Ctrl-C in a terminal reaches every process of the group, and so does a SIGTERM to the group: rank 0
-    # handles it and stops the workers (a worker whose rank 0 is gone exits by itself, below)
+    # Ctrl-C in a terminal reaches every process of the group: rank 0 handles it and stops the workers.
+    # SIGTERM keeps its default: it ends a worker even inside a collective that will never complete (rank 0
+    # gone), which a handler, run only between bytecodes, could not
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     device = rank_device(device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
