@@ -242,6 +242,10 @@ class SamplingParams:
         """allowed_token_ids or logit_bias: the logits are edited before penalties (greedy too)."""
         return self.logit_bias is not None or self.allowed_token_ids is not None
 
+    def min_tokens_bans(self, eos_token_ids: frozenset[int]) -> set[int]:
+        """What min_tokens bans until that many tokens exist: the stop tokens, and eos unless ignored."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

@@ -95,12 +95,11 @@ def check_request(token_ids: list[int], sampling_params: SamplingParams, limits:
 
 
 def check_min_tokens_leave_a_token(sampling_params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
-    """min_tokens bans the stop tokens and eos (unless ignored) until that many tokens exist; if those are
-    all allowed_token_ids allows, no token could be sampled (a row of -inf logits)."""
+    """If what min_tokens bans until that many tokens exist is all allowed_token_ids allows, no token could
+    be sampled (a row of -inf logits)."""
     p = sampling_params
     if not p.min_tokens or p.allowed_token_ids is None:
         return
-    banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-    if banned.issuperset(p.allowed_token_ids):
+    if p.min_tokens_bans(eos_token_ids).issuperset(p.allowed_token_ids):
         raise ValueError(f"every token allowed_token_ids allows is a stop token or eos, which min_tokens="
                          f"{p.min_tokens} bans until {p.min_tokens} tokens exist: no token could be sampled")

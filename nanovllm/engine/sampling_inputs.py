@@ -116,7 +116,7 @@ def build_sampling_tensors(seqs: list[Sequence], logits_rows: list[int] | None, 
             p = params[i]
             # this row samples completion token num_completion_tokens + ahead[i]
             if seq.num_completion_tokens + ahead[i] < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+                stops = p.min_tokens_bans(eos_token_ids)
                 banned_rows += [i] * len(stops)
                 banned_ids += sorted(stops)
         if banned_rows:

@@ -256,13 +256,15 @@ class Scheduler:
         token, once min_tokens completion tokens came before it."""
         known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens   # completion tokens, this one too
         return known > seq.sampling_params.min_tokens and (
-            token_id in seq.stop_token_ids or (not seq.ignore_eos and token_id in self.eos_token_ids))
+            token_id in seq.stop_token_ids or self._ends_on_eos(seq, token_id))
 
     def stop_reason(self, seq: Sequence, token_id: int) -> int | None:
-        """The stop_reason of seq stopped on token_id: None for eos (checked first, as vLLM does, so also
-        where eos is listed in stop_token_ids), else the stop token."""
-        on_eos = not seq.ignore_eos and token_id in self.eos_token_ids
-        return token_id if token_id in seq.stop_token_ids and not on_eos else None
+        """The stop_reason of seq, which stops on token_id (stops_on said so): None for eos (checked first, as
+        vLLM does, so also where eos is listed in stop_token_ids), else the stop token."""
+        return None if self._ends_on_eos(seq, token_id) else token_id
+
+    def _ends_on_eos(self, seq: Sequence, token_id: int) -> bool:
+        return not seq.ignore_eos and token_id in self.eos_token_ids
 
     def finish(self, seq: Sequence, finish_reason: str) -> None:
         """End seq now, between steps (a stop string found in its text): like eos found a step late, a
