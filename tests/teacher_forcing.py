@@ -24,7 +24,9 @@ def forced_logprobs(llm, prompts, continuations, use_graphs=True, num_forced=NUM
     runner, bm = llm.model_runner, llm.scheduler.block_manager
     seqs = [Sequence(p, SamplingParams(), llm.config.kvcache_block_size) for p in prompts]
     for seq in seqs:
-        bm.allocate(seq)
+        copy = bm.allocate(seq)
+        if copy is not None:                        # a partial prefix-cache hit: the scheduler's step would copy
+            runner.copy_blocks([copy])
         seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
     was_eager = runner.enforce_eager
     runner.enforce_eager = not use_graphs

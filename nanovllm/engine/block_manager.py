@@ -5,6 +5,10 @@ import xxhash
 
 from nanovllm.engine.sequence import Sequence
 
+# Partial hits in pages of at least this many tokens (in smaller ones the tokens a partial hit would save cost
+# less than the step it may wait for its source), of at least an eighth of a page.
+PARTIAL_HIT_MIN_PAGE = 64
+
 
 class Block:
     """A page of the KV cache: block_size token slots, shared by ref_count sequences."""
@@ -14,6 +18,8 @@ class Block:
         self.ref_count = 0
         self.hash = -1
         self.token_ids: list[int] = []
+        self.probe: tuple | None = None     # its key in BlockManager.probes, while it is hashed
+        self.step = -1                      # the scheduling step that hashed it
 
     def update(self, hash: int, token_ids: list[int]) -> None:
         self.hash = hash
@@ -31,6 +37,12 @@ class BlockManager:
     A full, computed block is keyed by a hash chained over every block before it, so equal hashes mean
     equal prefixes; a hit is still checked against the block's tokens. Freed blocks keep their hash
     and content until they are handed out again, so a later request (or a preempted one) can revive them.
+
+    A prompt that goes on sharing tokens with a cached block past its last full hit (a system prompt that
+    does not end on a page boundary, the same document with other questions) gets a partial hit: a fresh
+    block, a copy of the cached one made before its step (`partial_hit`), and only the tokens after the
+    shared ones to compute. Blocks are found for it by `probes`: the prefix hash before them and their first
+    `min_partial` tokens, the least a partial hit is worth a block copy for.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -40,6 +52,9 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        self.min_partial = max(block_size // 8, 1) if block_size >= max(PARTIAL_HIT_MIN_PAGE, 2) else 0
+        self.probes: dict[tuple, list[int]] = {}    # (prefix hash, first min_partial tokens) -> block ids
+        self.step = 0                               # scheduling steps begun (start_step)
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -53,11 +68,19 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def start_step(self) -> None:
+        """A scheduling step begins: what it hashes is written by its own step (see partial_hit)."""
+        self.step += 1
+
+    def _caches_for(self, seq: Sequence) -> bool:
+        """A sequence that wants its prompt's log-probs hits nothing: they come from logits of every
+        prompt position."""
+        return self.enable_prefix_caching and seq.prompt_logprobs is None
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding seq's leading full blocks. The block with the last token is never a hit:
-        its logits must be computed, and a shared block must not be written. A sequence that wants its
-        prompt's log-probs hits nothing: they come from logits of every prompt position."""
-        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+        its logits must be computed, and a shared block must not be written."""
+        if not self._caches_for(seq):
             return []
         hits, h = [], -1
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -69,11 +92,44 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def partial_hit(self, seq: Sequence) -> tuple[int, int, bool] | None:
+        """The cached block sharing the most tokens (at least min_partial) with seq's first block past its
+        full hits, if any: (its id, the tokens shared, whether the step being scheduled writes it). Shared
+        tokens stop before seq's last token, whose logits are needed. A block this very step writes cannot
+        be copied before the step: the scheduler lets seq wait a step for it instead."""
+        if not self.min_partial or seq.block_table or not self._caches_for(seq):
+            return None
+        hits = self._cached_prefix(seq)
+        first = len(hits) * self.block_size
+        room = min(seq.num_tokens - 1 - first, self.block_size - 1)     # a whole block's match is a full hit
+        if room < self.min_partial:
+            return None
+        tokens = seq[first:first + room]
+        prefix_hash = self.blocks[hits[-1]].hash if hits else -1
+        best = None
+        for block_id in self.probes.get((prefix_hash, *tokens[:self.min_partial]), ())[-4:]:    # the newest few
+            cached = self.blocks[block_id].token_ids
+            shared = self.min_partial
+            while shared < room and cached[shared] == tokens[shared]:
+                shared += 1
+            if best is None or shared > best[1]:
+                best = (block_id, shared, self.blocks[block_id].step == self.step)
+        return best
+
+    def _forget(self, block: Block) -> None:
+        """The block's content is about to change, or was never written: no hit may find it."""
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        if block.probe is not None:
+            self.probes[block.probe].remove(block.block_id)
+            if not self.probes[block.probe]:
+                del self.probes[block.probe]
+            block.probe = None
+
     def _allocate_block(self, block_id: int) -> Block:
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]   # its old content is about to be overwritten
+        self._forget(block)                         # its old content is about to be overwritten
         block.reset()
         self.free_block_ids.remove(block_id)
         self.used_block_ids.add(block_id)
@@ -97,12 +153,19 @@ class BlockManager:
         num_shared = sum(1 for block_id in hits if block_id in self.used_block_ids)
         return seq.num_blocks - num_shared + reserve <= len(self.free_block_ids)
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence) -> tuple[int, int] | None:
         """Give seq blocks for all its tokens, reusing cached prefix blocks (num_cached_tokens counts them).
         A completion that already holds its prompt's leading blocks (share_prompt) gets fresh ones for
-        the rest: the block with the prompt's last token is never a hit anyway."""
+        the rest: the block with the prompt's last token is never a hit anyway. Returns the block copy a
+        partial hit needs before seq's step, (cached block, seq's block), if any, where an earlier step
+        wrote the cached block (else its shared tokens are computed again); whatever this step writes
+        comes after the copy, even into the cached block itself, handed out again."""
         assert not seq.num_pending_tokens
+        partial = None
         if not seq.block_table:
+            partial = self.partial_hit(seq)
+            if partial is not None and partial[2]:
+                partial = None
             hits = self._cached_prefix(seq)
             for block_id in hits:
                 self._revive_or_share(block_id)
@@ -110,14 +173,17 @@ class BlockManager:
             seq.num_cached_tokens = len(hits) * self.block_size
         for _ in range(len(seq.block_table), seq.num_blocks):
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]).block_id)
+        if partial is None:
+            return None
+        seq.num_cached_tokens += partial[1]
+        return partial[0], seq.block_table[seq.num_cached_tokens // self.block_size]
 
     def forget_unwritten(self, seq: Sequence) -> None:
         """seq's scheduled step will never run (it was aborted): its blocks registered for that step
         hold nothing, so they must not be hit."""
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
             block = self.blocks[block_id]
-            if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
+            self._forget(block)
             block.hash, block.token_ids = -1, []
 
     def _release(self, block_id: int) -> None:
@@ -222,6 +288,11 @@ class BlockManager:
         h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
         for i in range(start, end):
             token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, h)
-            self.blocks[seq.block_table[i]].update(h, token_ids)
-            self.hash_to_block_id[h] = seq.block_table[i]
+            prefix_hash, h = h, self.compute_hash(token_ids, h)
+            block = self.blocks[seq.block_table[i]]
+            block.update(h, token_ids)
+            block.step = self.step
+            self.hash_to_block_id[h] = block.block_id
+            if self.min_partial:
+                block.probe = (prefix_hash, *token_ids[:self.min_partial])
+                self.probes.setdefault(block.probe, []).append(block.block_id)

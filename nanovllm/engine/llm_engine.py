@@ -177,7 +177,7 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         prompt_rows = self._prompt_logprob_rows(seqs) if is_prefill else []
         sampled = self._call("run", seqs, is_prefill, self.scheduler.block_copies, self._ended_seq_ids,
-                             prompt_rows, constrained)
+                             prompt_rows, constrained, self.scheduler.prefix_copies)
         self._ended_seq_ids = []
         return (self.scheduler.launched(seqs), sampled, [seqs[i] for i, _ in prompt_rows]), num_tokens
 

@@ -159,7 +159,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] = (),
             finished_seq_ids: list[int] = (), prompt_logprob_rows: list[tuple[int, int]] = (),
-            defer_sampling: bool = False) -> SampledTokens | None:
+            defer_sampling: bool = False, prefix_copies: list[tuple[int, int]] = ()) -> SampledTokens | None:
         """Launch one step; rank 0 gets its sampled tokens (one per seq) as they will arrive.
 
         A prefill may carry completions split off a prompt computed in this very step (n > 1): they
@@ -168,7 +168,11 @@ class ModelRunner:
         ended since the last step (their sampling state is freed). prompt_logprob_rows: (index in seqs,
         k) of the prefilled sequences that want their prompt's log-probs (SampledTokens carries them).
         defer_sampling: launch the forward pass alone; sample_deferred() samples it later (structured
-        outputs: the host fills the step's token masks while the device runs the forward pass)."""
+        outputs: the host fills the step's token masks while the device runs the forward pass).
+        prefix_copies: (source, destination) blocks to copy before the forward pass (partial prefix-cache
+        hits, whose sources earlier steps wrote)."""
+        if prefix_copies:
+            self.copy_blocks(prefix_copies)
         computed = [seq for seq in seqs if seq.num_scheduled_tokens] if is_prefill else seqs
         logits_rows = None
         if len(computed) < len(seqs):   # each split-off completion follows its parent: sample the parent's row

@@ -70,7 +70,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.finishing: set[Sequence] = set()   # launched up to their last token, which is still pending
-        self.block_copies: list[tuple[int, int]] = []   # (source, destination) for the step scheduled last
+        # (source, destination) block copies of the step scheduled last: after it (n > 1: a partial last
+        # block the step writes) and before it (partial prefix-cache hits: blocks an earlier step wrote)
+        self.block_copies: list[tuple[int, int]] = []
+        self.prefix_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_lookup_tokens = 0       # prompt tokens checked against the prefix cache
         self.num_hit_tokens = 0          # ... of which were found there
@@ -85,7 +88,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        self.block_copies = []
+        self.block_copies, self.prefix_copies = [], []
+        self.block_manager.start_step()
         scheduled = self._schedule_prefill()
         is_prefill = bool(scheduled)
         if not is_prefill:
@@ -122,15 +126,20 @@ class Scheduler:
     def _allocate(self, seq: Sequence) -> bool:
         """Give the head of `waiting` the blocks it lacks. If there are too few and nothing runs that
         could free some, the blocks other waiting sequences hold are all there is to take. Beside running
-        sequences, it must leave the watermark's blocks free."""
+        sequences, it must leave the watermark's blocks free. A prompt whose partial prefix-cache hit is
+        on a block this step writes waits for the next step, which copies it (BlockManager.partial_hit)."""
+        fresh = not seq.block_table
+        if fresh and (partial := self.block_manager.partial_hit(seq)) is not None and partial[2]:
+            return False
         reserve = self.watermark_blocks if self.running or self.finishing else 0
         if not self.block_manager.can_allocate(seq, reserve):
             if self.running or self.finishing or not self._release_waiting_blocks():
                 return False
             if not self.block_manager.can_allocate(seq):
                 return False
-        fresh = not seq.block_table
-        self.block_manager.allocate(seq)
+        copy = self.block_manager.allocate(seq)
+        if copy is not None:
+            self.prefix_copies.append(copy)
         if fresh:                           # a lookup in the prefix cache, not blocks held by reference
             self.num_lookup_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_cached_tokens

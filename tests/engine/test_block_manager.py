@@ -244,3 +244,114 @@ def test_a_waiting_completion_needs_free_blocks_for_its_prompts_tail_only():
     assert not bm.can_allocate(waiter)
     bm.deallocate(source)                                        # the partial third block comes free
     assert bm.num_free_blocks == 1 and bm.can_allocate(waiter)
+
+
+# ---- partial hits: a prompt that shares tokens with a cached block past its last full hit ----------------------
+PAGE = 64                                  # partial hits need pages of PARTIAL_HIT_MIN_PAGE tokens or more
+
+
+def page_seq(tokens, **kw):
+    return Sequence(list(tokens), SamplingParams(**kw), PAGE)
+
+
+def cached_source(bm: BlockManager, length: int = 3 * PAGE) -> Sequence:
+    """A sequence computed by an earlier step: its full blocks are hashed, the next step may copy them."""
+    bm.start_step()
+    source = page_seq(range(1000, 1000 + length))
+    bm.allocate(source)
+    source.num_cached_tokens = source.num_tokens
+    bm.hash_blocks(source)
+    bm.start_step()
+    return source
+
+
+def test_a_prompt_sharing_part_of_a_cached_block_copies_it_and_computes_only_the_rest():
+    bm = BlockManager(16, PAGE)
+    assert bm.min_partial == PAGE // 8
+    a = cached_source(bm)
+    b = page_seq(list(a[:150]) + [7] * 30)             # 2 full blocks (128 tokens) and 22 of a's third
+    assert bm.partial_hit(b) == (a.block_table[2], 22, False)
+    assert bm.can_allocate(b)
+    copy = bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] not in a.block_table
+    assert copy == (a.block_table[2], b.block_table[2])
+    assert b.num_cached_tokens == 150                  # its step computes tokens 150..179 into its own copy
+    check_invariants(bm, [a, b])
+
+
+@pytest.mark.parametrize("length, cached", [(128 + PAGE // 8, 128), (128 + PAGE // 8 + 1, 128 + PAGE // 8)])
+def test_a_partial_hit_needs_min_partial_tokens_and_leaves_the_last_token_to_compute(length, cached):
+    bm = BlockManager(16, PAGE)
+    a = cached_source(bm)
+    b = page_seq(a[:length])                           # a prefix of a: it ends inside a's third block
+    bm.allocate(b)
+    assert b.num_cached_tokens == cached               # shared up to its last token: at least 8 of them
+    check_invariants(bm, [a, b])
+
+
+def test_the_same_prompt_again_recomputes_only_its_last_token():
+    bm = BlockManager(16, PAGE)
+    a = cached_source(bm)
+    b = page_seq(a[:])
+    assert bm.allocate(b) == (a.block_table[2], b.block_table[2]) and b.num_cached_tokens == 3 * PAGE - 1
+
+
+def test_fewer_shared_tokens_than_min_partial_are_recomputed():
+    bm = BlockManager(16, PAGE)
+    a = cached_source(bm)
+    b = page_seq(list(a[:128 + PAGE // 8 - 1]) + [7] * 20)
+    assert bm.partial_hit(b) is None and bm.allocate(b) is None and b.num_cached_tokens == 128
+
+
+def test_a_block_hashed_by_the_step_being_scheduled_is_flagged_not_copied():
+    bm = BlockManager(16, PAGE)
+    bm.start_step()
+    a = page_seq(range(1000, 1000 + 3 * PAGE))
+    bm.allocate(a)
+    bm.hash_blocks(a, a.num_tokens)                    # as the scheduler does for a prompt it schedules now
+    b = page_seq(list(a[:150]) + [7] * 30)
+    assert bm.partial_hit(b) == (a.block_table[2], 22, True)     # the scheduler lets b wait a step
+    bm.start_step()
+    assert bm.partial_hit(b) == (a.block_table[2], 22, False)
+
+
+def test_allocate_recomputes_what_a_block_hashed_by_the_step_being_scheduled_shares():
+    bm = BlockManager(16, PAGE)
+    bm.start_step()
+    a = page_seq(range(1000, 1000 + 3 * PAGE))
+    bm.allocate(a)
+    bm.hash_blocks(a, a.num_tokens)
+    b = page_seq(list(a[:150]) + [7] * 30)
+    assert bm.allocate(b) is None and b.num_cached_tokens == 128     # not copied before the step writes it
+    check_invariants(bm, [a, b])
+
+
+def test_a_block_handed_out_again_or_never_written_is_no_partial_source():
+    bm = BlockManager(3, PAGE)
+    a = cached_source(bm)
+    b = page_seq(list(a[:150]) + [7] * 30)
+    bm.deallocate(a)
+    assert bm.partial_hit(b) is not None               # freed, its content kept: still a source
+    c = page_seq(range(5000, 5000 + 3 * PAGE))
+    bm.allocate(c)                                     # takes every block, a's third among them
+    assert bm.partial_hit(b) is None and bm.probes == {}
+    bm.deallocate(c)
+    d = cached_source(bm)
+    d.num_cached_tokens = 0                            # as if its step was never launched
+    bm.forget_unwritten(d)
+    assert bm.partial_hit(page_seq(list(d[:150]) + [7] * 30)) is None and bm.probes == {}
+
+
+@pytest.mark.parametrize("page, caching, prompt_logprobs", [(32, True, None), (PAGE, False, None), (PAGE, True, 1)])
+def test_no_partial_hits_in_small_pages_without_the_prefix_cache_or_for_prompt_logprobs(page, caching,
+                                                                                         prompt_logprobs):
+    bm = BlockManager(32, page, caching)
+    bm.start_step()
+    a = Sequence(list(range(1000, 1000 + 3 * page)), SamplingParams(), page)
+    bm.allocate(a)
+    a.num_cached_tokens = a.num_tokens
+    bm.hash_blocks(a)
+    bm.start_step()
+    b = Sequence(list(a[:2 * page + page // 2]) + [7] * 5, SamplingParams(prompt_logprobs=prompt_logprobs), page)
+    assert bm.partial_hit(b) is None and bm.allocate(b) is None
+    assert b.num_cached_tokens == (2 * page if caching and prompt_logprobs is None else 0)

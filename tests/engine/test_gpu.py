@@ -115,6 +115,27 @@ def test_greedy_continuations_agree_with_transformers(llm, hf):
     assert shortfall < TIE_MARGIN
 
 
+def test_prompts_sharing_a_prefix_that_ends_inside_a_page_copy_it_and_decode_as_transformers(llm, hf):
+    """A shared prefix (a system prompt) of 300 tokens in 256-token pages: past its full page, each prompt
+    finds its next 44 tokens in the page the first prompt filled, gets a copy of it before its step and
+    computes only its own tokens; every token it then picks greedily is transformers' argmax, or within a
+    near-tie of it (a wrong copy would attend other keys)."""
+    prefix = random_prompts(1, seed=20, lengths=(300, 300))[0]
+    first = prefix + random_prompts(1, seed=21, lengths=(300, 300))[0]      # two full pages
+    others = [prefix + p for p in random_prompts(4, seed=22, lengths=(5, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate([first], params, use_tqdm=False)
+    before = llm.stats["num_prefix_cache_hit_tokens"]
+    ours = [o["token_ids"] for o in llm.generate(others, params, use_tqdm=False)]
+    shared = [next(i for i, (a, b) in enumerate(zip(o, first)) if a != b) for o in others]
+    assert min(shared) >= 300 and llm.stats["num_prefix_cache_hit_tokens"] - before == sum(shared)
+    theirs = hf_forced_logprobs(hf, others, [t + [0] * NUM_FORCED for t in ours])[:, :16]
+    picked = theirs.gather(-1, torch.tensor(ours, device="cuda").unsqueeze(-1)).squeeze(-1)
+    shortfall = (theirs.max(-1).values - picked).max().item()
+    print(f"partial hits of {[s - 256 for s in shared]} tokens; largest shortfall from transformers' argmax "
+          f"{shortfall:.4f}")
+    assert shortfall < TIE_MARGIN
+
 def test_sampling_many_sequences_through_graph_buckets(llm):
     prompts = random_prompts(300, seed=6, lengths=(5, 60))      # decode batches of many bucket sizes
     outputs = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -285,6 +285,33 @@ def test_an_aborted_step_leaves_no_hit_on_blocks_it_never_wrote():
     assert c.num_cached_tokens == 0
 
 
+
+def test_a_prompt_sharing_part_of_a_block_its_step_writes_starts_next_step_copying_it():
+    """With pages of PARTIAL_HIT_MIN_PAGE tokens or more, a prompt that shares tokens past its last full hit
+    with a block the step being scheduled writes waits a step (what was scheduled before it goes on), then
+    gets a copy of that block before its own step and computes only what follows the shared tokens."""
+    page = 64
+    config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
+    s = Scheduler(config, 32)
+    prefix = list(range(1, 151))                              # two pages and 22 tokens
+    a, b, c = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page) for i in range(3))
+    other = Sequence(list(range(2000, 2100)), SamplingParams(), page)
+    for x in (a, b, other, c):
+        s.add(x)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [a] and s.prefix_copies == [] and not b.block_table   # b waits, other behind it
+    s.postprocess(s.launched(seqs), [7])
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [b, other, c]
+    assert s.prefix_copies == [(a.block_table[2], b.block_table[2]), (a.block_table[2], c.block_table[2])]
+    assert b.num_cached_tokens == c.num_cached_tokens == 150 and b.num_scheduled_tokens == 60
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert s.stats()["num_prefix_cache_hit_tokens"] == 2 * 150
+    s.postprocess(s.launched(seqs), [7] * 3)
+    seqs, is_prefill = s.schedule()
+    assert not is_prefill and s.prefix_copies == []
+
 # ---- n completions beyond what fits at once ---------------------------------------------------------
 
 def run_to_the_end(s: Scheduler) -> list[Sequence]:

@@ -2,13 +2,15 @@
 of the paged KV cache after every step, and that what each completion generates depends on its prompt
 and its index alone: not on when it arrived, on preemption, on the wave its request's n completions
 started it in, or on whether steps are pipelined. Some requests ask for more completions than the
-running set or the cache can hold at once; some are aborted midway."""
+running set or the cache can hold at once; some are aborted midway. A simulated paged cache follows what
+each step writes where and the block copies, and every step's reads must find each sequence's own tokens."""
 import random
 from types import SimpleNamespace
 
 import pytest
 
 from nanovllm import SamplingParams
+from nanovllm.engine import block_manager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 from block_invariants import check_invariants
@@ -27,6 +29,46 @@ def fake_model(seq: Sequence | None) -> int:
     prefix = seq.token_ids[:seq.num_tokens - seq.num_pending_tokens]
     assert PENDING not in prefix
     return hash((seq.index, *prefix)) % 10
+
+
+class PagedKV:
+    """What each KV slot holds, as (the sequence that wrote it, the position): a step copies the blocks its
+    partial prefix-cache hits need, writes the K/V of every token it computes, then each layer's attention
+    reads every position up to the last one a sequence computes, then the step's n > 1 copies are made."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.slots: dict[int, tuple[Sequence, int]] = {}
+        self.num_prefix_copies = 0
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _copy(self, copies: list[tuple[int, int]]) -> None:
+        for source, destination in copies:
+            for j in range(self.block_size):
+                held = self.slots.get(source * self.block_size + j)
+                if held is None:
+                    self.slots.pop(destination * self.block_size + j, None)
+                else:
+                    self.slots[destination * self.block_size + j] = held
+
+    def step(self, seqs: list[Sequence], prefix_copies, block_copies) -> None:
+        """The scheduled step, before launched() counts its tokens as computed."""
+        self._copy(prefix_copies)
+        self.num_prefix_copies += len(prefix_copies)
+        spans = [(seq, seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens)
+                 for seq in seqs if seq.num_scheduled_tokens]
+        for seq, start, end in spans:
+            for position in range(start, end):
+                self.slots[self._slot(seq, position)] = (seq, position)
+        for seq, _, end in spans:
+            for position in range(end):
+                writer, written = self.slots[self._slot(seq, position)]
+                assert written == position, "a slot holds another position's K/V"
+                theirs, ours = writer.token_ids[position], seq.token_ids[position]
+                assert PENDING in (theirs, ours) or theirs == ours, "a slot holds another token's K/V"
+        self._copy(block_copies)
 
 
 def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[int, list[int]] | None]]:
@@ -53,6 +95,7 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[
     aborts = {rng.randint(0, 300): rng.randrange(len(requests)) for _ in range(3)}    # step: request
 
     s = Scheduler(config, num_blocks)
+    kv = PagedKV(block_size)
     finished: dict[int, list[Sequence]] = {seq.seq_id: [] for seq in requests}
     aborted: set[int] = set()
     in_flight = None
@@ -69,6 +112,7 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[
                 aborted.add(request.seq_id)
         step += 1
         seqs, _ = s.schedule()
+        kv.step(seqs, s.prefix_copies, s.block_copies)
         launched = s.launched(seqs) if seqs else None
         assert seqs or in_flight is not None or s.is_finished(), "no progress although requests are pending"
         assert len(s.running) <= config.max_num_seqs
@@ -93,11 +137,16 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[
             continue
         assert sorted(seq.index for seq in group) == list(range(request.sampling_params.n))
         outputs[i] = {seq.index: seq.completion_token_ids for seq in group}
+    s.num_prefix_copies = kv.num_prefix_copies
     return s, outputs
 
 
+@pytest.mark.parametrize("partial_hits", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_output(seed):
+def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_output(seed, partial_hits,
+                                                                                     monkeypatch):
+    if partial_hits:        # the small pages here take partial prefix-cache hits of one token and more
+        monkeypatch.setattr(block_manager, "PARTIAL_HIT_MIN_PAGE", 2)
     sync, sync_outputs = run_workload(seed, pipelined=False)
     piped, piped_outputs = run_workload(seed, pipelined=True)
     # an abort may catch a request in one run and find it not yet arrived, or done, in the other
@@ -106,3 +155,5 @@ def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_ou
     assert len(both) >= 40 and sync.num_decoded_tokens > 300
     assert any(len(sync_outputs[i]) > sync.max_num_seqs for i in both)
     assert sync.num_preemptions > 0 and piped.num_preemptions > 0
+    takes_partial_hits = sync.block_manager.min_partial > 0 and sync.block_manager.enable_prefix_caching
+    assert (sync.num_prefix_copies > 0) == (partial_hits and takes_partial_hits)

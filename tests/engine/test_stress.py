@@ -78,3 +78,36 @@ def test_prompts_sharing_a_prefix_in_one_step_hit_it_and_decode_as_without_the_c
             assert llm.stats["num_prefix_cache_hit_tokens"] == expected_hits
             assert llm.stats["num_prefilled_tokens"] == sum(map(len, prompts)) - expected_hits
     assert results[True] == results[False]
+
+
+PAGE = 64       # partial prefix-cache hits need pages of PARTIAL_HIT_MIN_PAGE tokens or more
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("prefix_len, hit", [(150, 150), (132, 128)])
+@pytest.mark.parametrize("in_one_step", [False, True])
+def test_partial_hits_copy_a_cached_block_and_decode_as_without_the_cache(tiny_model, prefix_len, hit,
+                                                                          in_one_step, kv_cache_dtype):
+    """Prompts sharing a prefix that ends inside a page: past its full pages, each finds the rest of the shared
+    tokens in the first prompt's next page (full: the first prompt goes on past the prefix), gets a copy of
+    it and computes only its own tokens; at least an eighth of a page (8 tokens here) must be shared, else
+    they are recomputed. Cached by an earlier call or computed in the same step (the others then wait a
+    step for it): greedy outputs are those of an engine without a prefix cache."""
+    rng = random.Random(prefix_len)
+    prefix = [rng.randrange(1, 512) for _ in range(prefix_len)]
+    first = prefix + [0] * (3 * PAGE - prefix_len)                  # three full pages
+    others = [prefix + [rng.randrange(1, 512) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    results = {}
+    for caching in (True, False):
+        with LLM(str(tiny_model), device="cpu", kvcache_block_size=PAGE, max_model_len=256,
+                 enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype) as llm:
+            if in_one_step:
+                out = token_ids(llm.generate([first] + others, greedy(6), use_tqdm=False))
+            else:
+                out = token_ids(llm.generate([first], greedy(6), use_tqdm=False))
+                out += token_ids(llm.generate(others, greedy(6), use_tqdm=False))
+            results[caching] = out
+            expected_hits = len(others) * hit if caching else 0
+            assert llm.stats["num_prefix_cache_hit_tokens"] == expected_hits
+            assert llm.stats["num_prefilled_tokens"] == len(first) + sum(map(len, others)) - expected_hits
+    assert results[True] == results[False]
