@@ -8,6 +8,22 @@ from nanovllm.engine.sequence import Sequence
 # Partial hits in pages of at least this many tokens (in smaller ones the tokens a partial hit would save cost
 # less than the step it may wait for its source), of at least an eighth of a page.
 PARTIAL_HIT_MIN_PAGE = 64
+MAX_PROBED = 16         # cached blocks compared with a prompt for a partial hit, the oldest first
+
+
+def _shared_length(cached: list[int], tokens: list[int], known: int) -> int:
+    """How many leading tokens of `tokens` `cached` holds too, given the first `known` are equal: slices
+    compared in C, halving the range (a prompt may share all of a page but its last token)."""
+    low, high = known, len(tokens)
+    if cached[:high] == tokens:
+        return high
+    while high - low > 1:                       # cached[:low] == tokens[:low], cached[:high] != tokens[:high]
+        middle = (low + high) // 2
+        if cached[low:middle] == tokens[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 class Block:
@@ -95,8 +111,10 @@ class BlockManager:
     def partial_hit(self, seq: Sequence) -> tuple[int, int, bool] | None:
         """The cached block sharing the most tokens (at least min_partial) with seq's first block past its
         full hits, if any: (its id, the tokens shared, whether the step being scheduled writes it). Shared
-        tokens stop before seq's last token, whose logits are needed. A block this very step writes cannot
-        be copied before the step: the scheduler lets seq wait a step for it instead."""
+        tokens stop before seq's last token, whose logits are needed. A block an earlier step wrote wins over
+        one this step writes, which cannot be copied before the step: for that one alone the scheduler lets
+        seq wait a step (the prompts after a prefix's first share it with each other too, and would
+        otherwise start one at a time)."""
         if not self.min_partial or seq.block_table or not self._caches_for(seq):
             return None
         hits = self._cached_prefix(seq)
@@ -106,14 +124,13 @@ class BlockManager:
             return None
         tokens = seq[first:first + room]
         prefix_hash = self.blocks[hits[-1]].hash if hits else -1
-        best = None
-        for block_id in self.probes.get((prefix_hash, *tokens[:self.min_partial]), ())[-4:]:    # the newest few
-            cached = self.blocks[block_id].token_ids
-            shared = self.min_partial
-            while shared < room and cached[shared] == tokens[shared]:
-                shared += 1
-            if best is None or shared > best[1]:
-                best = (block_id, shared, self.blocks[block_id].step == self.step)
+        best, best_key = None, None
+        for block_id in self.probes.get((prefix_hash, *tokens[:self.min_partial]), ())[:MAX_PROBED]:
+            block = self.blocks[block_id]
+            shared = _shared_length(block.token_ids, tokens, self.min_partial)
+            written_now = block.step == self.step
+            if best_key is None or (not written_now, shared) > best_key:
+                best, best_key = (block_id, shared, written_now), (not written_now, shared)
         return best
 
     def _forget(self, block: Block) -> None:
@@ -292,7 +309,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.update(h, token_ids)
             block.step = self.step
+            duplicate = h in self.hash_to_block_id      # the same prefix in another block: a probe already
             self.hash_to_block_id[h] = block.block_id
-            if self.min_partial:
+            if self.min_partial and not duplicate:
                 block.probe = (prefix_hash, *token_ids[:self.min_partial])
                 self.probes.setdefault(block.probe, []).append(block.block_id)

@@ -313,10 +313,9 @@ class ModelRunner:
 
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source, destination), queued behind the step that wrote the sources."""
-        source, destination = (list_to_device(list(column), torch.int64, self.device) for column in zip(*block_copies))
-        kv.copy_blocks(self.kv_cache, source, destination)
+        kv.copy_blocks(self.kv_cache, block_copies)
         if self.draft is not None:
-            kv.copy_blocks(self.draft.kv_cache, source, destination)
+            kv.copy_blocks(self.draft.kv_cache, block_copies)
 
     def capture_cudagraph(self) -> None:
         hf, config = self.config.hf_config, self.config
