@@ -312,6 +312,25 @@ def test_a_prompt_sharing_part_of_a_block_its_step_writes_starts_next_step_copyi
     seqs, is_prefill = s.schedule()
     assert not is_prefill and s.prefix_copies == []
 
+
+def test_the_prompts_after_a_prefixs_first_all_start_together_copying_the_page_it_wrote():
+    """Each of them, once started, fills its own copy of the shared page, which then holds the shared tokens
+    too; a page an earlier step wrote is taken over those (else they would start a few at a time)."""
+    page = 64
+    config = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024,
+                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
+    s = Scheduler(config, 64)
+    prefix = list(range(1, 151))
+    first, *others = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page)
+                      for i in range(21))
+    for x in (first, *others):
+        s.add(x)
+    seqs, _ = s.schedule()
+    assert seqs == [first]
+    s.postprocess(s.launched(seqs), [7])
+    seqs, _ = s.schedule()
+    assert seqs == others and s.prefix_copies == [(first.block_table[2], x.block_table[2]) for x in others]
+
 # ---- n completions beyond what fits at once ---------------------------------------------------------
 
 def run_to_the_end(s: Scheduler) -> list[Sequence]:
