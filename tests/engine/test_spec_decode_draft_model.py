@@ -113,6 +113,30 @@ def test_prefix_cache_hits_on_blocks_computed_under_speculation(spec, greedy_ref
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("in_one_step", [False, True])
+def test_partial_prefix_hits_copy_the_drafts_cache_too(tiny_model, in_one_step):
+    """In 64-token pages, prompts sharing a 100-token prefix copy the first prompt's second page (36 shared
+    tokens) into a page of their own before their step, in the target's cache and the draft's: greedy tokens
+    are plain decoding's, and the target as its own draft keeps nearly every draft (a wrong copy in the
+    draft's cache would only cost acceptance)."""
+    prefix = random_prompts(1, VOCAB, (100, 100), seed=4102)[0]
+    first = prefix + random_prompts(1, VOCAB, (40, 40), seed=4103)[0]         # fills its second page
+    others = [prefix + p for p in random_prompts(4, VOCAB, (3, 20), seed=4104)]
+    pages = dict(kvcache_block_size=64, num_kvcache_blocks=24)
+    with engine(tiny_model, **pages, enable_prefix_caching=False) as reference:
+        expected = tokens(reference.generate([first] + others, GREEDY, use_tqdm=False))
+    with engine(tiny_model, draft_model(tiny_model, 3), **pages) as llm:
+        if in_one_step:
+            got = tokens(llm.generate([first] + others, GREEDY, use_tqdm=False))
+        else:
+            got = tokens(llm.generate([first], GREEDY, use_tqdm=False))
+            got += tokens(llm.generate(others, GREEDY, use_tqdm=False))
+        assert got == expected
+        shared = [next(i for i, (a, b) in enumerate(zip(o, first)) if a != b) for o in others]
+        assert min(shared) >= 100 and llm.stats["num_prefix_cache_hit_tokens"] == sum(shared)
+        assert_acceptance("self", llm.stats["spec_decode_draft_tokens"], llm.stats["spec_decode_accepted_tokens"])
+        assert_idle(llm)
+
 @pytest.mark.parametrize("draft", ["self", "other"])
 def test_preemption_and_chunked_prefill_give_the_same_tokens(tiny_model, make_checkpoint, greedy_reference, draft):
     """10 blocks for 7 prompts growing to 3-5 blocks each: decode preempts (drafts never do, they take

@@ -54,6 +54,21 @@ def test_tp2_matches_tp1_and_transformers_with_cache_hits_and_preemption(model_d
     assert outputs[2] == outputs[1] == expected
 
 
+def test_tp2_partial_prefix_hits_match_transformers(model_dir):
+    """In 64-token pages a 100-token prefix ends inside the second page: the later prompts copy its 36
+    shared tokens from the first prompt's page, on both ranks, before their step."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(1, 512) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (40, 5, 9, 14)]    # the first fills two pages
+    hf = load_hf_model(model_dir)
+    expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(str(model_dir), device="cpu", tensor_parallel_size=2, kvcache_block_size=64, max_model_len=256) as llm:
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in first + rest] == expected
+        shared = [next(i for i, (a, b) in enumerate(zip(p, prompts[0])) if a != b) for p in prompts[1:]]
+        assert min(shared) >= 100 and llm.stats["num_prefix_cache_hit_tokens"] == sum(shared)
+
 def test_two_engines_at_once_and_nothing_left_behind(model_dir):
     before_shm, before_children = shm_segments(), len(live_children())
     prompts = prompts_with_shared_prefix(3, seed=1)
