@@ -71,6 +71,10 @@ class BlockManager:
         self.min_partial = max(block_size // 8, 1) if block_size >= max(PARTIAL_HIT_MIN_PAGE, 2) else 0
         self.probes: dict[tuple, list[int]] = {}    # (prefix hash, first min_partial tokens) -> block ids
         self.step = 0                               # scheduling steps begun (start_step)
+        # the last _cached_prefix answer: an admission asks up to four times (the scheduler's partial-hit check,
+        # can_allocate, allocate's partial hit and its hits), valid while no block is registered or forgotten
+        self._version = 0
+        self._last_lookup: tuple[tuple, list[int]] = ((), [])
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -98,6 +102,9 @@ class BlockManager:
         its logits must be computed, and a shared block must not be written."""
         if not self._caches_for(seq):
             return []
+        key = (seq.seq_id, seq.num_tokens, self._version)
+        if self._last_lookup[0] == key:
+            return self._last_lookup[1]
         hits, h = [], -1
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
@@ -106,6 +113,7 @@ class BlockManager:
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                 break
             hits.append(block_id)
+        self._last_lookup = (key, hits)
         return hits
 
     def partial_hit(self, seq: Sequence) -> tuple[int, int, bool] | None:
@@ -135,8 +143,10 @@ class BlockManager:
 
     def _forget(self, block: Block) -> None:
         """The block's content is about to change, or was never written: no hit may find it."""
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
-            del self.hash_to_block_id[block.hash]
+        if block.hash != -1:
+            self._version += 1
+            if self.hash_to_block_id.get(block.hash) == block.block_id:
+                del self.hash_to_block_id[block.hash]
         if block.probe is not None:
             self.probes[block.probe].remove(block.block_id)
             if not self.probes[block.probe]:
@@ -311,6 +321,7 @@ class BlockManager:
             block.step = self.step
             duplicate = h in self.hash_to_block_id      # the same prefix in another block: a probe already
             self.hash_to_block_id[h] = block.block_id
+            self._version += 1
             if self.min_partial and not duplicate:
                 block.probe = (prefix_hash, *token_ids[:self.min_partial])
                 self.probes.setdefault(block.probe, []).append(block.block_id)
