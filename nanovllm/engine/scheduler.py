@@ -126,10 +126,13 @@ class Scheduler:
     def _allocate(self, seq: Sequence) -> bool:
         """Give the head of `waiting` the blocks it lacks. If there are too few and nothing runs that
         could free some, the blocks other waiting sequences hold are all there is to take. Beside running
-        sequences, it must leave the watermark's blocks free. A prompt whose partial prefix-cache hit is
-        on a block this step writes waits for the next step, which copies it (BlockManager.partial_hit)."""
+        sequences, it must leave the watermark's blocks free. A prompt whose partial prefix-cache hit of at
+        least half a page is on a block this step writes waits for the next step, which copies it
+        (BlockManager.partial_hit); a shorter one (a short system prompt shared by a burst of requests) is
+        not worth a step's wait: those tokens are computed again."""
         fresh = not seq.block_table
-        if fresh and (partial := self.block_manager.partial_hit(seq)) is not None and partial[2]:
+        if fresh and (partial := self.block_manager.partial_hit(seq)) is not None and partial[2] \
+                and 2 * partial[1] >= self.block_manager.block_size:
             return False
         reserve = self.watermark_blocks if self.running or self.finishing else 0
         if not self.block_manager.can_allocate(seq, reserve):

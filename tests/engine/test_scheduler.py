@@ -287,14 +287,14 @@ def test_an_aborted_step_leaves_no_hit_on_blocks_it_never_wrote():
 
 
 def test_a_prompt_sharing_part_of_a_block_its_step_writes_starts_next_step_copying_it():
-    """With pages of PARTIAL_HIT_MIN_PAGE tokens or more, a prompt that shares tokens past its last full hit
-    with a block the step being scheduled writes waits a step (what was scheduled before it goes on), then
-    gets a copy of that block before its own step and computes only what follows the shared tokens."""
+    """With pages of PARTIAL_HIT_MIN_PAGE tokens or more, a prompt that shares at least half a page past its
+    last full hit with a block the step being scheduled writes waits a step (what was scheduled before it goes
+    on), then gets a copy of that block before its own step and computes only what follows the shared tokens."""
     page = 64
     config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
                              eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
     s = Scheduler(config, 32)
-    prefix = list(range(1, 151))                              # two pages and 22 tokens
+    prefix = list(range(1, 181))                              # two pages and 52 tokens
     a, b, c = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page) for i in range(3))
     other = Sequence(list(range(2000, 2100)), SamplingParams(), page)
     for x in (a, b, other, c):
@@ -305,13 +305,25 @@ def test_a_prompt_sharing_part_of_a_block_its_step_writes_starts_next_step_copyi
     seqs, is_prefill = s.schedule()
     assert is_prefill and seqs == [b, other, c]
     assert s.prefix_copies == [(a.block_table[2], b.block_table[2]), (a.block_table[2], c.block_table[2])]
-    assert b.num_cached_tokens == c.num_cached_tokens == 150 and b.num_scheduled_tokens == 60
+    assert b.num_cached_tokens == c.num_cached_tokens == 180 and b.num_scheduled_tokens == 60
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert s.stats()["num_prefix_cache_hit_tokens"] == 2 * 150
+    assert s.stats()["num_prefix_cache_hit_tokens"] == 2 * 180
     s.postprocess(s.launched(seqs), [7] * 3)
     seqs, is_prefill = s.schedule()
     assert not is_prefill and s.prefix_copies == []
 
+
+def test_a_short_partial_hit_on_a_block_its_step_writes_is_computed_again_without_waiting():
+    """Less than half a page shared (a short system prompt in a burst of requests): not worth a step's wait."""
+    page = 64
+    config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
+    s = Scheduler(config, 32)
+    prefix = list(range(1, 151))                              # two pages and 22 tokens
+    a, b = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page) for i in range(2))
+    s.add(a), s.add(b)
+    seqs, _ = s.schedule()
+    assert seqs == [a, b] and s.prefix_copies == [] and b.num_cached_tokens == 128
 
 def test_the_prompts_after_a_prefixs_first_all_start_together_copying_the_page_it_wrote():
     """Each of them, once started, fills its own copy of the shared page, which then holds the shared tokens
@@ -320,7 +332,7 @@ def test_the_prompts_after_a_prefixs_first_all_start_together_copying_the_page_i
     config = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024,
                              eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
     s = Scheduler(config, 64)
-    prefix = list(range(1, 151))
+    prefix = list(range(1, 181))
     first, *others = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page)
                       for i in range(21))
     for x in (first, *others):

@@ -84,15 +84,18 @@ PAGE = 64       # partial prefix-cache hits need pages of PARTIAL_HIT_MIN_PAGE t
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("prefix_len, hit", [(150, 150), (132, 128)])
+@pytest.mark.parametrize("prefix_len, hit_cached, hit_in_one_step", [(170, 170, 170), (150, 150, 128), (132, 128, 128)])
 @pytest.mark.parametrize("in_one_step", [False, True])
-def test_partial_hits_copy_a_cached_block_and_decode_as_without_the_cache(tiny_model, prefix_len, hit,
-                                                                          in_one_step, kv_cache_dtype):
+def test_partial_hits_copy_a_cached_block_and_decode_as_without_the_cache(tiny_model, prefix_len, hit_cached,
+                                                                          hit_in_one_step, in_one_step,
+                                                                          kv_cache_dtype):
     """Prompts sharing a prefix that ends inside a page: past its full pages, each finds the rest of the shared
     tokens in the first prompt's next page (full: the first prompt goes on past the prefix), gets a copy of
     it and computes only its own tokens; at least an eighth of a page (8 tokens here) must be shared, else
-    they are recomputed. Cached by an earlier call or computed in the same step (the others then wait a
-    step for it): greedy outputs are those of an engine without a prefix cache."""
+    they are recomputed. Cached by an earlier call, or computed in the same step: then the others wait a step
+    for it if they share at least half a page with it (42 tokens), else compute those tokens again (22).
+    Greedy outputs are those of an engine without a prefix cache."""
+    hit = hit_in_one_step if in_one_step else hit_cached
     rng = random.Random(prefix_len)
     prefix = [rng.randrange(1, 512) for _ in range(prefix_len)]
     first = prefix + [0] * (3 * PAGE - prefix_len)                  # three full pages
