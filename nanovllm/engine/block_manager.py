@@ -71,10 +71,8 @@ class BlockManager:
         self.min_partial = max(block_size // 8, 1) if block_size >= max(PARTIAL_HIT_MIN_PAGE, 2) else 0
         self.probes: dict[tuple, list[int]] = {}    # (prefix hash, first min_partial tokens) -> block ids
         self.step = 0                               # scheduling steps begun (start_step)
-        # the last _cached_prefix answer: an admission asks up to four times (the scheduler's partial-hit check,
-        # can_allocate, allocate's partial hit and its hits), valid while no block is registered or forgotten
-        self._version = 0
-        self._last_lookup: tuple[tuple, list[int]] = ((), [])
+        self._version = 0                           # blocks registered or forgotten (_lookup's answer is kept until)
+        self._last_lookup: tuple[tuple, tuple] = ((), ([], None))
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -100,21 +98,7 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding seq's leading full blocks. The block with the last token is never a hit:
         its logits must be computed, and a shared block must not be written."""
-        if not self._caches_for(seq):
-            return []
-        key = (seq.seq_id, seq.num_tokens, self._version)
-        if self._last_lookup[0] == key:
-            return self._last_lookup[1]
-        hits, h = [], -1
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, h)
-            block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
-                break
-            hits.append(block_id)
-        self._last_lookup = (key, hits)
-        return hits
+        return self._lookup(seq)[0]
 
     def partial_hit(self, seq: Sequence) -> tuple[int, int, bool] | None:
         """The cached block sharing the most tokens (at least min_partial) with seq's first block past its
@@ -123,12 +107,32 @@ class BlockManager:
         one this step writes, which cannot be copied before the step: for that one alone the scheduler lets
         seq wait a step (the prompts after a prefix's first share it with each other too, and would
         otherwise start one at a time)."""
-        if not self.min_partial or seq.block_table or not self._caches_for(seq):
-            return None
-        hits = self._cached_prefix(seq)
+        return None if seq.block_table else self._lookup(seq)[1]
+
+    def _lookup(self, seq: Sequence) -> tuple[list[int], tuple[int, int, bool] | None]:
+        """seq's full hits and partial hit in the prefix cache. An admission asks up to four times (the
+        scheduler's partial-hit check, can_allocate, allocate's partial hit and its hits): the answer is kept
+        while no block is registered or forgotten and no step begins."""
+        if not self._caches_for(seq):
+            return [], None
+        key = (seq.seq_id, seq.num_tokens, self._version, self.step)
+        if self._last_lookup[0] != key:
+            hits, h = [], -1
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                token_ids = seq.block(i)
+                h = self.compute_hash(token_ids, h)
+                block_id = self.hash_to_block_id.get(h, -1)
+                if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                    break
+                hits.append(block_id)
+            self._last_lookup = (key, (hits, self._partial_after(seq, hits)))
+        return self._last_lookup[1]
+
+    def _partial_after(self, seq: Sequence, hits: list[int]) -> tuple[int, int, bool] | None:
+        """partial_hit, given seq's full hits."""
         first = len(hits) * self.block_size
         room = min(seq.num_tokens - 1 - first, self.block_size - 1)     # a whole block's match is a full hit
-        if room < self.min_partial:
+        if not self.min_partial or room < self.min_partial:
             return None
         tokens = seq[first:first + room]
         prefix_hash = self.blocks[hits[-1]].hash if hits else -1
