@@ -114,3 +114,47 @@ def test_partial_hits_copy_a_cached_block_and_decode_as_without_the_cache(tiny_m
             assert llm.stats["num_prefix_cache_hit_tokens"] == expected_hits
             assert llm.stats["num_prefilled_tokens"] == len(first) + sum(map(len, others)) - expected_hits
     assert results[True] == results[False]
+
+
+def test_partial_hits_under_what_users_mix(tiny_model):
+    """One batch over a 100-token prefix shared inside a 64-token page, in a cache that preempts: greedy
+    requests ending on stop strings, seeded n = 3 requests whose completions end at different steps (stop
+    token ids over a tenth of the vocabulary, varied max_tokens), and a request aborted mid-run. The greedy
+    ones end as without the prefix cache (text, tokens, finish reason), every request ends, partial hits
+    happen, and nothing stays held."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(1, 512) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (40, 3, 9, 17, 25)]
+    settings = dict(device="cpu", kvcache_block_size=PAGE, max_model_len=256, num_kvcache_blocks=5,
+                    max_num_batched_tokens=128)
+    with LLM(str(tiny_model), enable_prefix_caching=False, **settings) as llm:
+        free = llm.generate(prompts[:3], greedy(30), use_tqdm=False)
+        middles = [out["text"][len(out["text"]) // 2:][:2] for out in free]
+        stopped = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[m] if m.strip() else None)
+                   for m in middles]
+        expected = llm.generate(prompts[:3], stopped, use_tqdm=False)
+    assert any(out["finish_reason"] == "stop" for out in expected)
+    sampled = [SamplingParams(n=3, temperature=1.0, seed=70 + i, max_tokens=8 + 6 * i,
+                              stop_token_ids=list(range(7, 512, 10))) for i in range(2)]
+    with LLM(str(tiny_model), **settings) as llm:
+        llm.generate(prompts[:1], greedy(1), use_tqdm=False)        # its second page holds 36 of the prefix's tokens
+        aborted = llm.add_request(prompts[4], SamplingParams(temperature=0.8, max_tokens=100, ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        llm.abort_request(aborted)
+        outputs = llm.generate(prompts[:3] + prompts[3:5], stopped + sampled, use_tqdm=False)
+        stats = llm.stats
+        assert stats["num_preemptions"] > 0
+        assert stats["num_prefix_cache_hit_tokens"] > 4 * PAGE        # more than whole pages would give
+        assert llm.is_finished() and llm.scheduler.block_manager.used_block_ids == set()
+    for out, ref in zip(outputs[:3], expected):
+        assert (out["text"], out["token_ids"], out["finish_reason"]) == \
+            (ref["text"], ref["token_ids"], ref["finish_reason"])
+    lengths = set()
+    for out, params in zip(outputs[3:], sampled):
+        assert len(out["outputs"]) == 3
+        for completion in out["outputs"]:
+            assert completion["finish_reason"] in ("stop", "length")
+            assert len(completion["token_ids"]) <= params.max_tokens
+            lengths.add(len(completion["token_ids"]))
+    assert len(lengths) > 1
