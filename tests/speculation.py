@@ -4,6 +4,7 @@ that draft every step, a run checked step by step, the idle check, the law tests
 specification of a drafter whose draws are random (a draft model, an EAGLE-3 head)."""
 from nanovllm import LLM, SamplingParams
 from block_invariants import check_invariants
+from mixed_batch import assert_mixed_outputs
 
 BLOCK = 16
 VOCAB = 512                 # the test checkpoints' (make_checkpoint's default)
@@ -122,15 +123,5 @@ def assert_a_mixed_batch_ends_as_plain_decoding(model, spec: dict, prompts: list
         stats = llm.stats
         assert stats["spec_decode_draft_tokens"] > 0
         assert_idle(llm)
-    for out, expected in zip(outputs[:3], plain):
-        assert (out["text"], out["token_ids"], out["finish_reason"]) == \
-            (expected["text"], expected["token_ids"], expected["finish_reason"])
-    lengths = set()
-    for out, params in zip(outputs[3:], sampled):
-        assert len(out["outputs"]) == 3
-        for completion in out["outputs"]:
-            assert completion["finish_reason"] in ("stop", "length")
-            assert len(completion["token_ids"]) <= params.max_tokens
-            lengths.add(len(completion["token_ids"]))
-    assert len(lengths) > 1         # the completions ended at different steps
+    assert_mixed_outputs(outputs[:3], plain, outputs[3:], sampled)
     return stats

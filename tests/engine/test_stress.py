@@ -5,6 +5,7 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from mixed_batch import assert_mixed_outputs
 
 pytestmark = pytest.mark.cpu_only     # every engine is device="cpu"
 
@@ -147,14 +148,4 @@ def test_partial_hits_under_what_users_mix(tiny_model):
         assert stats["num_preemptions"] > 0
         assert stats["num_prefix_cache_hit_tokens"] > 4 * PAGE        # more than whole pages would give
         assert llm.is_finished() and llm.scheduler.block_manager.used_block_ids == set()
-    for out, ref in zip(outputs[:3], expected):
-        assert (out["text"], out["token_ids"], out["finish_reason"]) == \
-            (ref["text"], ref["token_ids"], ref["finish_reason"])
-    lengths = set()
-    for out, params in zip(outputs[3:], sampled):
-        assert len(out["outputs"]) == 3
-        for completion in out["outputs"]:
-            assert completion["finish_reason"] in ("stop", "length")
-            assert len(completion["token_ids"]) <= params.max_tokens
-            lengths.add(len(completion["token_ids"]))
-    assert len(lengths) > 1
+    assert_mixed_outputs(outputs[:3], expected, outputs[3:], sampled)
