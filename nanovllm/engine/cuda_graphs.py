@@ -30,6 +30,14 @@ def cuda_graph_batch_sizes(max_rows: int) -> list[int]:
     return sizes[:next((i + 1 for i, bs in enumerate(sizes) if bs >= max_rows), len(sizes))]
 
 
+def shared_prefix_batch_sizes(decode_sizes: list[int]) -> list[int]:
+    """The decode buckets that also get a graph whose attention reads shared pages once for their rows
+    (a step's context.shared_prefix): 8, 16, 32, 64, then every multiple of 64, and the largest bucket (a step
+    that groups rows saves more than a wider bucket's padding rows cost)."""
+    sizes = [bs for bs in decode_sizes if bs in (8, 16, 32) or bs % 64 == 0]
+    return sizes + ([decode_sizes[-1]] if decode_sizes[-1] >= 8 and decode_sizes[-1] not in sizes else [])
+
+
 def decode_graph_rows(max_num_seqs: int, num_speculative_tokens: int = 0) -> int:
     """The most rows of a decode-shaped step: one a sequence, or with speculative decoding a verification's
     k + 1 a sequence (step_inputs.prepare_verify); the decode graphs are captured up to it."""
@@ -46,9 +54,12 @@ class CudaGraphs:
     """Captures and replays the forward of `model` for each bucket; all graphs share one memory pool."""
 
     def __init__(self, model: nn.Module, max_decode_rows: int, max_num_blocks: int, prefill_lengths: list[int],
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, logits_rows: int = 0):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, logits_rows: int = 0,
+                 shared_prefixes: bool = False):
         """logits_rows: the decode graphs of at most this many rows compute the logits too (0: none; the
-        LM head must need no collective: one rank)."""
+        LM head must need no collective: one rank). shared_prefixes: decode steps may group rows that share
+        pages (the attention backend reads them once), so shared_prefix_batch_sizes' buckets get a second
+        graph each."""
         self.model = model
         self.decode_sizes = cuda_graph_batch_sizes(max_decode_rows)
         self.logits_rows = max((bs for bs in self.decode_sizes if bs <= logits_rows), default=0)
@@ -61,12 +72,19 @@ class CudaGraphs:
             context_lens=torch.ones(self.decode_sizes[-1], dtype=torch.int32, device=device),
             block_tables=torch.zeros(self.decode_sizes[-1], max_num_blocks, dtype=torch.int32, device=device),
             decode_order=torch.arange(self.decode_sizes[-1], dtype=torch.int32, device=device),
+            # a shared prefix's (step_inputs.prepare_decode): every item holds two rows or more
+            shared_lens=torch.zeros(self.decode_sizes[-1], dtype=torch.int32, device=device),
+            shared_items=torch.zeros(self.decode_sizes[-1] // 2, 3, dtype=torch.int32, device=device),
+            shared_members=torch.zeros(self.decode_sizes[-1], dtype=torch.int32, device=device),
             cu_seqlens=torch.zeros(2, dtype=torch.int32, device=device),
             outputs=torch.zeros(rows, hidden_size, dtype=dtype, device=device),
         )
         self.rows = torch.arange(self.decode_sizes[-1], dtype=torch.int32, device=device)
         self.order_written = 0      # vars["decode_order"] holds rows[n:] from n = order_written on
         self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.shared_sizes = shared_prefix_batch_sizes(self.decode_sizes) if shared_prefixes else []
+        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}     # decode graphs reading shared prefixes
+        self.shared_written = (0, 0)    # the shared_items / shared_lens rows the last such step wrote
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -105,12 +123,17 @@ class CudaGraphs:
             v["cu_seqlens"][1] = n
             set_context(True, v["cu_seqlens"], v["cu_seqlens"], n, n, v["slot_mapping"][:n])
             self.prefill_graphs[n] = self._capture(n)
-        for bs in reversed(self.decode_sizes):
-            set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
-                        block_tables=v["block_tables"][:bs], decode_order=v["decode_order"][:bs])
-            # a step of few sequences is a chain of short kernels: each starts while the one before ends
-            with dependent_launches(bs <= DEPENDENT_LAUNCH_ROWS):
-                self.decode_graphs[bs] = self._capture(bs, with_logits=bs <= self.logits_rows)
+        for graphs, sizes in ((self.decode_graphs, self.decode_sizes), (self.shared_graphs, self.shared_sizes)):
+            for bs in reversed(sizes):
+                shared = None
+                if graphs is self.shared_graphs:     # no item has rows at capture: nothing shared, as it reads
+                    shared = (v["shared_lens"][:bs], v["shared_items"][:bs // 2], v["shared_members"][:bs])
+                set_context(False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
+                            block_tables=v["block_tables"][:bs], decode_order=v["decode_order"][:bs],
+                            shared_prefix=shared)
+                # a step of few sequences is a chain of short kernels: each starts while the one before ends
+                with dependent_launches(bs <= DEPENDENT_LAUNCH_ROWS):
+                    graphs[bs] = self._capture(bs, with_logits=bs <= self.logits_rows)
 
     # ---- replay -------------------------------------------------------------------------------------------
     def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -136,9 +159,29 @@ class CudaGraphs:
         v["block_tables"].zero_()
         v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
         self._decode_order(bs, context.decode_order)
-        bucket = next(b for b in self.decode_sizes if b >= bs)
-        self.decode_graphs[bucket].replay()
+        graphs, sizes = self.decode_graphs, self.decode_sizes
+        if context.shared_prefix is not None and self.shared_sizes:
+            graphs, sizes = self.shared_graphs, self.shared_sizes
+        bucket = next(b for b in sizes if b >= bs)
+        self._shared_prefix(context.shared_prefix if graphs is self.shared_graphs else None)
+        graphs[bucket].replay()
         return v["outputs"][:bs], (v["logits"][:bs] if bucket <= self.logits_rows else None)
+
+    def _shared_prefix(self, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """The step's groups into the static buffers; rows past them read nothing shared (0 tokens, items of
+        no rows), which is what any graph reads after a step without groups."""
+        v = self.vars
+        num_items, num_rows = (0, 0) if shared is None else (len(shared[1]), len(shared[0]))
+        items_written, rows_written = self.shared_written
+        if shared is not None:
+            v["shared_lens"][:num_rows] = shared[0]
+            v["shared_items"][:num_items] = shared[1]
+            v["shared_members"][:len(shared[2])] = shared[2]
+        if items_written > num_items:
+            v["shared_items"][num_items:items_written] = 0
+        if rows_written > num_rows:
+            v["shared_lens"][num_rows:rows_written] = 0
+        self.shared_written = (num_items, num_rows)
 
     def _decode_order(self, bs: int, order: torch.Tensor | None) -> None:
         """A permutation of the bucket's rows: the step's order (None: as they come), then the padding rows in

@@ -14,6 +14,7 @@ from nanovllm.engine.penalty_state import PenaltyState
 from nanovllm.engine.sampled_tokens import SampledTokens
 from nanovllm.engine.sampling_inputs import argmax_suffices, build_sampling_tensors, build_verify_tensors
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.decode_attention import SHARED_PREFIX_ROWS
 from nanovllm.layers.attention import Attention, attention_ops
 from nanovllm.layers.prompt_logprobs import prompt_logprobs
 from nanovllm.layers.rejection_sampler import DraftRows, RejectionSampler
@@ -73,6 +74,8 @@ class ModelRunner:
         self.sampled_rows: dict[int, int] = {}
         self._deferred = None       # a step whose sampling waits for sample_deferred()
         self.ops = attention_ops(config.attention_backend)
+        # decode steps group the rows that share pages where the backend reads them once for a group (ours)
+        self.share_prefixes = self.ops.decode_order
         for layer in self._attention_layers():
             layer.ops = self.ops
         if config.draft_hf_config is not None:
@@ -138,7 +141,8 @@ class ModelRunner:
         return step_inputs.prepare_prefill(seqs, self.block_size, self.device)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        return step_inputs.prepare_decode(seqs, self.block_size, self.device, self.sampled, self.sampled_rows)
+        return step_inputs.prepare_decode(seqs, self.block_size, self.device, self.sampled, self.sampled_rows,
+                                          SHARED_PREFIX_ROWS if self.share_prefixes else 0)
 
     # ---- running ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -324,7 +328,8 @@ class ModelRunner:
                                  -(-config.max_model_len // self.block_size),
                                  prefill_graph_lengths(config.max_num_batched_tokens, config.max_model_len),
                                  hf.hidden_size, config.dtype, self.device,
-                                 logits_rows=LOGITS_IN_GRAPH_ROWS if self.world_size == 1 else 0)
+                                 logits_rows=LOGITS_IN_GRAPH_ROWS if self.world_size == 1 else 0,
+                                 shared_prefixes=self.share_prefixes)
         self.graphs.capture()
         if isinstance(self.draft, DraftModel):      # its rounds: a row a sequence, or a few from one token back
             self.draft.capture_graphs(2 * config.max_num_seqs, -(-config.max_model_len // self.block_size),

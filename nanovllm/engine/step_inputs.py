@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.engine.shared_prefixes import shared_prefixes
 from nanovllm.utils.context import set_context
 from nanovllm.utils.transfer import list_to_device, to_device
 
@@ -50,10 +51,12 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device: torch.device)
 
 
 def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, sampled: torch.Tensor,
-                   sampled_rows: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+                   sampled_rows: dict[int, int], shared_prefix_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each seq computes its last token, whose slot is the next free one of its last block. A last
     token still PENDING (sampled by the step before, not yet on the host) is read on the device: from
-    `sampled`, the last step's tokens, at the row `sampled_rows` gives its sequence.
+    `sampled`, the last step's tokens, at the row `sampled_rows` gives its sequence. shared_prefix_rows > 0:
+    the rows whose contexts begin with the same pages are grouped (shared_prefixes.py), at most that many an
+    item, where that saves enough reads (the context's shared_prefix; None otherwise).
 
     Runs every step (every millisecond for a lone sequence), so the columns are built as Python
     lists, read into numpy in one pass, and travel in one copy."""
@@ -69,12 +72,26 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device: torch.device, 
                                                  for seq in seqs)
     flat = np.fromiter(itertools.chain(tokens, positions, context_lens, slots, sampled_rows, itertools.repeat(0, n),
                                        block_tables), dtype=np.int32, count=6 * n + n * width)
+    shared = None
+    if n > 1 and shared_prefix_rows:
+        shared = shared_prefixes(flat[6 * n:].reshape(n, width), flat[2 * n:3 * n], block_size, shared_prefix_rows)
     if n > 1:           # a lone sequence's order is the [0] already there (one stream's steps are host-bound)
-        flat[5 * n:6 * n] = longest_first(flat[2 * n:3 * n])
+        # by the keys each row reads itself (a group's shared pages are read by the group's programs)
+        flat[5 * n:6 * n] = longest_first(flat[2 * n:3 * n] if shared is None else flat[2 * n:3 * n] - shared[0])
+    tables_end = 6 * n + n * width
+    if shared is not None:
+        flat = np.concatenate([flat, shared[0], shared[1].reshape(-1), shared[2]])
     flat = to_device(flat, device)
     columns = flat[:6 * n].view(6, n)
+    shared_prefix = None
+    if shared is not None:
+        num_items = len(shared[1])
+        items_end = tables_end + n + 3 * num_items
+        shared_prefix = (flat[tables_end:tables_end + n], flat[tables_end + n:items_end].view(num_items, 3),
+                         flat[items_end:])
     set_context(False, slot_mapping=columns[3], context_lens=columns[2],
-                block_tables=flat[6 * n:].view(n, width), decode_order=columns[5])
+                block_tables=flat[6 * n:tables_end].view(n, width), decode_order=columns[5],
+                shared_prefix=shared_prefix)
     if len(sampled) == n and sampled_rows == list(range(n)):
         input_ids = sampled             # the last step's batch again, every token pending: as sampled
     elif max(sampled_rows) >= 0:

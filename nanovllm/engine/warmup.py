@@ -108,7 +108,11 @@ def warmup_cached_paths(runner) -> None:
     seq.num_cached_tokens = block_size
     runner.run([seq], False)                # before any graph is captured: eager
     # batches large enough for decode attention's other kernels (eager steps: enforce_eager, a draft's): a small
-    # batch's tiles unsplit (a bf16 cache on a GPU), then a large batch's tiles
+    # batch's tiles unsplit (a bf16 cache on a GPU), then a large batch's tiles; where the backend reads the
+    # pages that rows share once for them (shared_prefixes.py), each such batch that way too, and two rows
+    # (a small batch's tiles; the plain ones are the lone row's above)
+    if runner.share_prefixes and runner.config.max_num_seqs >= 2:
+        _warm_decode(runner, 2, [True])
     hf_configs = [c for c in (runner.config.hf_config, runner.config.draft_hf_config) if c is not None]
     for first_batch in (unsplit_batch, large_batch):
         num_seqs = max(first_batch(max(1, c.num_key_value_heads // runner.world_size), runner.device,
@@ -119,10 +123,7 @@ def warmup_cached_paths(runner) -> None:
             num_seqs = int(runner.tp.all_reduce(torch.tensor([num_seqs], device=runner.device),
                                                 dist.ReduceOp.MAX).item())
         if num_seqs <= runner.config.max_num_seqs:
-            seqs = [Sequence([0] * (block_size + 1), SamplingParams(), block_size) for _ in range(num_seqs)]
-            for seq in seqs:
-                seq.block_table, seq.num_cached_tokens = [0, 1], block_size
-            runner.run(seqs, False)
+            _warm_decode(runner, num_seqs, [False, True] if runner.share_prefixes else [False])
     if runner.draft is not None:
         _warm_eager_decodes(runner)
     # one token after a long cached prefix: the prefill kernel's tiles for long key ranges
@@ -133,6 +134,22 @@ def warmup_cached_paths(runner) -> None:
         seq.block_table = list(range(num_blocks))
         seq.num_cached_tokens, seq.num_scheduled_tokens = long_prefix, 1
         runner.run([seq], True)
+
+
+def _warm_decode(runner, num_seqs: int, shared: list[bool]) -> None:
+    """Eager decode steps of num_seqs sequences over the same two scratch blocks, each with the rows' shared
+    first page read once for them (True) or by each row (False)."""
+    block_size = runner.block_size
+    seqs = [Sequence([0] * (block_size + 1), SamplingParams(), block_size) for _ in range(num_seqs)]
+    for seq in seqs:
+        seq.block_table, seq.num_cached_tokens = [0, 1], block_size
+    share_prefixes = runner.share_prefixes
+    try:
+        for share in shared:
+            runner.share_prefixes = share
+            runner.run(seqs, False)
+    finally:
+        runner.share_prefixes = share_prefixes
 
 
 def _warm_eager_decodes(runner) -> None:

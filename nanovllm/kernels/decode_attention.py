@@ -51,16 +51,17 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end, o
 
 # an eager step's table may be any width, and its metadata columns sit at any offset of the step's one copy
 # (per-program scalar loads: their alignment buys nothing, and would be one more variant to warm)
-@triton.jit(do_not_specialize=["num_splits", "stride_btb", "batch"],
-            do_not_specialize_on_alignment=["seqlens_ptr", "bt_ptr", "order_ptr"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb", "batch", "part_stride"],
+            do_not_specialize_on_alignment=["seqlens_ptr", "bt_ptr", "order_ptr", "shared_ptr"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, order_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, seqlens_ptr, bt_ptr, order_ptr, shared_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-    batch, num_kv_heads, num_heads, qk_scale, num_splits,
+    batch, num_kv_heads, num_heads, qk_scale, num_splits, part_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr = False):
+    FP16_DOTS: tl.constexpr, TMA: tl.constexpr, ORDERED: tl.constexpr, SHARED: tl.constexpr = False,
+    PDL: tl.constexpr = False):
     enter(PDL)
     pid = tl.program_id(0)
     if ORDERED:
@@ -74,14 +75,19 @@ def _decode_kernel(
     split = tl.program_id(1)
 
     seq_len = tl.load(seqlens_ptr + b)
+    # SHARED: the row's first shared_ptr[b] keys (whole pages) are its group's, read by _shared_prefix_kernel
+    if SHARED:
+        first_key = tl.load(shared_ptr + b)
+    else:
+        first_key = 0
     # chunk: whole tiles, so every tile but the sequence's last needs no mask; whole pages once it spans
     # one (H100, fp8, 16 x 12,256 in 9 chunks: 192 us at 5.4 pages a chunk, 146 at 6)
-    chunk = tl.cdiv(seq_len, num_splits)
+    chunk = tl.cdiv(seq_len - first_key, num_splits)
     if PAGE % BLOCK_N == 0:
         chunk = tl.where(chunk >= PAGE, tl.cdiv(chunk, PAGE) * PAGE, tl.cdiv(chunk, BLOCK_N) * BLOCK_N)
     else:
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
-    start = split * chunk
+    start = first_key + split * chunk
     end = tl.minimum(seq_len, start + chunk)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
@@ -122,22 +128,94 @@ def _decode_kernel(
         o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # partials laid out [B, num_heads, num_splits] and [B, num_heads, num_splits, D_PAD]
-        row = (b.to(tl.int64) * num_heads + heads) * num_splits + split
+        # partials laid out [B, num_heads, part_stride] and [B, num_heads, part_stride, D_PAD]: this kernel's
+        # splits first, then (SHARED) the shared prefix's
+        row = (b.to(tl.int64) * num_heads + heads) * part_stride + split
         tl.store(part_m_ptr + row, m_i, mask=g_ok)
         tl.store(part_l_ptr + row, l_i, mask=g_ok)
         tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits"])     # one variant for every split count (an eager step may take any)
-def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ob, stride_oh, num_heads, num_splits,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+# a shared prefix's program reads its pages for this many rows (sequences) of the batch at most
+SHARED_PREFIX_ROWS = 16
+# and the prefix is cut into this many chunks of whole pages, a program each (fixed: a graph's grid is)
+SHARED_PREFIX_SPLITS = 8
+
+
+@triton.jit(do_not_specialize=["num_heads", "part_stride", "first_slot", "stride_btb"],
+            do_not_specialize_on_alignment=["shared_ptr", "items_ptr", "members_ptr", "bt_ptr"])
+def _shared_prefix_kernel(
+    q_ptr, k_ptr, v_ptr, shared_ptr, items_ptr, members_ptr, bt_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+    num_heads, qk_scale, part_stride, first_slot,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, FP16_DOTS: tl.constexpr,
+    PDL: tl.constexpr = False):
+    """Grid (items, kv heads, SPLITS). An item is up to SHARED_PREFIX_ROWS rows of the batch whose contexts
+    begin with the same pages (items_ptr: the row whose block table to read them through, the item's first
+    index in members_ptr, its row count; 0 rows: nothing to do). A program reads one chunk of those pages
+    once for all of them: its [ROWS, D] query operand stacks every row's q heads of the kv head (row r of
+    the operand: member r // GROUP, head r % GROUP), as _decode_kernel stacks one sequence's. It writes each
+    row's partial at slot first_slot + split; the reduce kernel merges it with the row's own keys'."""
+    enter(PDL)
+    item, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(items_ptr + item * 3 + 2)
+    if count > 0:
+        leader = tl.load(items_ptr + item * 3)
+        first = tl.load(items_ptr + item * 3 + 1)
+        prefix_len = tl.load(shared_ptr + leader)           # whole pages
+        chunk = tl.cdiv(tl.cdiv(prefix_len, SPLITS), PAGE) * PAGE
+        start = split * chunk
+        end = tl.minimum(prefix_len, start + chunk)
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+        offs_r = tl.arange(0, ROWS)
+        offs_d = tl.arange(0, D_PAD)
+        r_ok = offs_r < count * GROUP
+        b = tl.load(members_ptr + first + offs_r // GROUP, mask=r_ok, other=0).to(tl.int64)
+        heads = kv_head * GROUP + offs_r % GROUP
+        if D_PAD == HEAD_DIM:
+            io_mask = r_ok[:, None]
+        else:
+            io_mask = r_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        q_ptrs = q_ptr + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = dot_operand(tl.load(q_ptrs, mask=io_mask, other=0.0), FP16_DOTS)
+
+        m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
+        k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, False)
+        bt_row_ptr = bt_ptr + leader.to(tl.int64) * stride_btb
+        page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N)
+        for n_start in range(start, full_end, BLOCK_N):
+            next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N)
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end,
+                                         offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                         HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC, False)
+            page = next_page
+        if full_end < end:          # pages smaller than a tile: the chunk's last tile is part of one
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, full_end, end,
+                                         offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                         HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC, False)
+        row = (b * num_heads + heads) * part_stride + first_slot + split
+        tl.store(part_m_ptr + row, m_i, mask=r_ok)
+        tl.store(part_l_ptr + row, l_i, mask=r_ok)
+        tl.store(part_acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=r_ok[:, None])
+
+
+# one variant for every split count (an eager step may take any)
+@triton.jit(do_not_specialize=["num_splits", "part_stride"], do_not_specialize_on_alignment=["shared_ptr"])
+def _reduce_kernel(o_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, shared_ptr, stride_ob, stride_oh, num_heads,
+                   num_splits, part_stride, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   SPLITS_BLOCK: tl.constexpr, SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
     enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_BLOCK)
     offs_d = tl.arange(0, D_PAD)
-    first = (b.to(tl.int64) * num_heads + head) * num_splits
+    first = (b.to(tl.int64) * num_heads + head) * part_stride
+    if SHARED:      # a row in a shared prefix's group has that prefix's partials after its own splits'
+        num_splits = tl.where(tl.load(shared_ptr + b) > 0, part_stride, num_splits)
     # one pass over the splits, SPLITS_BLOCK at a time, rescaling the running sums to the largest max so far
     # (choose_num_splits' counts fit one block: every partial is loaded at once)
     m_run = tl.max(tl.full([SPLITS_BLOCK], -1.0e30, dtype=tl.float32), 0)
@@ -249,10 +327,14 @@ def _default_config(head_dim: int, page: int, device: torch.device, cache_dtype:
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None,
                      num_splits=None, block_n=None, num_warps=None, num_stages=None, fp16_dots=None,
-                     use_tma=False, programs_per_sm=None, order=None):
+                     use_tma=False, programs_per_sm=None, order=None, shared_prefix=None):
     """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics).
     order: int32 [B], a permutation of the batch, the sequences taken in that order (longest first: see
     _decode_kernel); None: as they come.
+    shared_prefix: (shared_lens, items, members), int32 tensors (step_inputs.shared_prefixes): rows whose
+    contexts begin with the same pages read those pages once for the group (_shared_prefix_kernel) and
+    their own keys after them as usual; the reduce merges the two. None, or a group of more than 8 q heads
+    a kv head: every row reads all its keys.
     use_tma: True or None read K/V through TMA descriptors (kv_tile.kv_descriptors). Off by default:
     on an H100 decode gains nothing from it (bf16 3,012 vs 3,003 GB/s at 256 x 1,024; an fp8 cache 2%
     slower), because the loop is bound by the loads' bytes (bf16) or by widening the tiles (fp8)."""
@@ -278,40 +360,68 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    if num_splits > 1:
-        part_m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    shared = shared_prefix is not None and group <= MAX_SHARED_PREFIX_GROUP
+    split = num_splits > 1 or shared
+    part_stride = num_splits + (SHARED_PREFIX_SPLITS if shared else 0)
+    if split:
+        part_m = torch.empty(batch, num_heads, part_stride, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(batch, num_heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(batch, num_heads, part_stride, d_pad, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out      # never touched
+    shared_lens = shared_prefix[0] if shared else cache_seqlens     # (unread unless shared)
+    fp16_dots = wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     descs = kv_descriptors(k_cache, v_cache, True, block_n, use_tma)
     launch(_decode_kernel, (batch * num_kv_heads, num_splits),
         q, *(descs or (k_cache, v_cache)), out, cache_seqlens, block_table,
-        order if order is not None else cache_seqlens, part_m, part_l, part_acc,
+        order if order is not None else cache_seqlens, shared_lens, part_m, part_l, part_acc,
         q.stride(0), q.stride(2), out.stride(0), out.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        batch, num_kv_heads, num_heads, scale * _LOG2E, num_splits,
+        batch, num_kv_heads, num_heads, scale * _LOG2E, num_splits, part_stride,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_N=block_n, PAGE=page, SPLIT=num_splits > 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        FP16_DOTS=wants_fp16_dots(q, k_cache) if fp16_dots is None else fp16_dots, TMA=descs is not None,
-        ORDERED=order is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q.device))
-    if num_splits > 1:
+        BLOCK_N=block_n, PAGE=page, SPLIT=split, DOT_PREC=dot_prec, FP16_DOTS=fp16_dots, TMA=descs is not None,
+        ORDERED=order is not None, SHARED=shared, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(q.device))
+    if shared:
+        _, items, members = shared_prefix
+        rows = max(16, triton.next_power_of_2(SHARED_PREFIX_ROWS * group))
+        prefix_cfg = _shared_prefix_config(q.device, rows)
+        launch(_shared_prefix_kernel, (items.shape[0], num_kv_heads, SHARED_PREFIX_SPLITS),
+            q, k_cache, v_cache, shared_lens, items, members, block_table, part_m, part_l, part_acc,
+            q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+            num_heads, scale * _LOG2E, part_stride, num_splits,
+            GROUP=group, ROWS=rows, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page, SPLITS=SHARED_PREFIX_SPLITS,
+            DOT_PREC=dot_prec, FP16_DOTS=fp16_dots, **prefix_cfg, **pdl_options(q.device))
+    if split:
         _reduce_kernel[(batch, num_heads)](
-            out, part_m, part_l, part_acc, out.stride(0), out.stride(2), num_heads, num_splits,
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_BLOCK=REDUCE_SPLITS, num_warps=4,
+            out, part_m, part_l, part_acc, shared_lens, out.stride(0), out.stride(2), num_heads, num_splits,
+            part_stride, HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_BLOCK=REDUCE_SPLITS, SHARED=shared, num_warps=4,
             **pdl_options(q.device))
     return out
+
+
+# a shared prefix's programs stack SHARED_PREFIX_ROWS rows' q heads of a kv head: up to 128 operand rows
+MAX_SHARED_PREFIX_GROUP = 8
+
+
+def _shared_prefix_config(device: torch.device, rows: int) -> dict:
+    """_shared_prefix_kernel's key tiles and warps for an operand of `rows` query rows."""
+    if device.type != "cuda":
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64, num_warps=4 if rows <= 64 else 8, num_stages=2)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                             softmax_scale: float | None = None, causal: bool = False,
-                            order: torch.Tensor | None = None) -> torch.Tensor:
+                            order: torch.Tensor | None = None, shared_prefix=None) -> torch.Tensor:
     """Paged decode: q [B, 1, Hq, D] against each sequence's first cache_seqlens[b] cached tokens.
 
-    `causal` changes nothing: the single new query sits at the end and sees every cached key. `order`
-    (ours, not flash-attn's): the order the sequences are taken in (decode_attention's).
+    `causal` changes nothing: the single new query sits at the end and sees every cached key. `order` and
+    `shared_prefix` (ours, not flash-attn's): decode_attention's.
     """
-    return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, order=order)
+    return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, order=order,
+                            shared_prefix=shared_prefix)

@@ -12,7 +12,8 @@ def attention_ops(backend: str) -> SimpleNamespace:
     """The three flash-attn-shaped functions of one backend: 'flash_attn', 'triton' or 'torch'; and
     `fused_rope_store`: whether its store is our Triton one, which the rotary kernel can do in passing;
     `new_kv_beside_pages`: whether its paged prefill also takes this step's K/V packed (k_new, v_new);
-    `decode_order`: whether its paged decode takes the order of the rows (the context's decode_order)."""
+    `decode_order`: whether its paged decode takes the order of the rows (the context's decode_order) and
+    reads the pages that rows share once for them (the context's shared_prefix)."""
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -77,8 +78,8 @@ class Attention(nn.Module):
                                               max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
                                               softmax_scale=self.scale, causal=True,
                                               block_table=context.block_tables, **new_kv)
-        order = {"order": context.decode_order} if ops.decode_order else {}
+        ours = {"order": context.decode_order, "shared_prefix": context.shared_prefix} if ops.decode_order else {}
         o = ops.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
                                         block_table=context.block_tables, softmax_scale=self.scale, causal=True,
-                                        **order)
+                                        **ours)
         return o.squeeze(1)

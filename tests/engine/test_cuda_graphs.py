@@ -54,3 +54,36 @@ def test_every_replay_hands_decode_attention_a_permutation_of_its_bucket():
         graphs._decode_order(bs, None if order is None else torch.tensor(order, dtype=torch.int32))
         expected = (order or list(range(bs))) + list(range(bs, 16))
         assert buffer.tolist() == expected, (bs, order)
+
+
+def test_shared_prefix_graphs_cover_every_bucket_from_8_rows():
+    """The buckets with a second graph whose attention reads shared pages once: 8, 16, 32, then multiples of
+    64 and the largest bucket, so a step of 8 rows or more always finds one that holds it."""
+    from nanovllm.engine.cuda_graphs import shared_prefix_batch_sizes
+    assert shared_prefix_batch_sizes(cuda_graph_batch_sizes(512)) == [8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert shared_prefix_batch_sizes(cuda_graph_batch_sizes(100)) == [8, 16, 32, 64, 112]
+    assert shared_prefix_batch_sizes(cuda_graph_batch_sizes(4)) == []
+
+
+def test_every_shared_prefix_replay_leaves_no_group_of_an_earlier_step_behind():
+    """The graphs' shared-prefix buffers after each step: the step's groups, and past them rows that share
+    nothing (0 tokens) and items of no rows, whatever a larger step wrote before; a step without groups
+    clears what the last one wrote (a shared-prefix graph may replay next with fewer)."""
+    import torch
+
+    from nanovllm.engine.cuda_graphs import CudaGraphs
+    graphs = CudaGraphs(None, 32, 4, [], 8, torch.float32, torch.device("cpu"), shared_prefixes=True)
+    v = graphs.vars
+    as_int32 = lambda rows: torch.tensor(rows, dtype=torch.int32)
+    steps = [(as_int32([32] * 12), as_int32([[0, 0, 6], [6, 6, 6]]), as_int32(range(12))),
+             (as_int32([16, 16, 0, 16]), as_int32([[0, 0, 3]]), as_int32([0, 1, 3])),
+             None,
+             (as_int32([48] * 30), as_int32([[0, 0, 15], [15, 15, 15]]), as_int32(range(30)))]
+    for shared in steps:
+        graphs._shared_prefix(shared)
+        num_rows, num_items = (0, 0) if shared is None else (len(shared[0]), len(shared[1]))
+        assert v["shared_lens"][:num_rows].tolist() == ([] if shared is None else shared[0].tolist())
+        assert not v["shared_lens"][num_rows:].any() and not v["shared_items"][num_items:].any()
+        if shared is not None:
+            assert torch.equal(v["shared_items"][:num_items], shared[1])
+            assert torch.equal(v["shared_members"][:len(shared[2])], shared[2])

@@ -9,7 +9,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import reset_context
 from benchmarks.random_checkpoint import QWEN3_0_6B
 from oracle import hf_greedy, load_hf_model
-from teacher_forcing import NUM_FORCED, TIE_MARGIN, forced_logprobs, hf_forced_logprobs, random_prompts
+from teacher_forcing import NUM_FORCED, TIE_MARGIN, compare, forced_logprobs, hf_forced_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -135,6 +135,33 @@ def test_prompts_sharing_a_prefix_that_ends_inside_a_page_copy_it_and_decode_as_
     print(f"partial hits of {[s - 256 for s in shared]} tokens; largest shortfall from transformers' argmax "
           f"{shortfall:.4f}")
     assert shortfall < TIE_MARGIN
+
+def test_rows_sharing_prefixes_read_them_once_and_agree_with_each_row_reading_its_own(llm, monkeypatch):
+    """Forty prompts over four 700-token prefixes (two full pages each shares with nine others): decode steps
+    group the rows by their shared pages (shared_prefixes.py), through the shared-prefix graphs and eagerly, and
+    give the log-probs of every row reading all its own pages, to rounding (as graphs against eager)."""
+    from nanovllm.engine import step_inputs
+    prefixes = random_prompts(4, seed=30, lengths=(700, 700))
+    prompts = [prefixes[i % 4] + p for i, p in enumerate(random_prompts(40, seed=31, lengths=(1, 100)))]
+    continuations = random_prompts(40, seed=32, lengths=(NUM_FORCED, NUM_FORCED))
+    grouped = []
+    original = step_inputs.shared_prefixes
+    monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
+                        grouped.append(original(*args, **kwargs)) or grouped[-1])
+    assert any(bs >= 40 for bs in llm.model_runner.graphs.shared_sizes)
+    through_graphs = forced_logprobs(llm, prompts, continuations, use_graphs=True)
+    eager = forced_logprobs(llm, prompts, continuations, use_graphs=False)
+    assert len(grouped) == 2 * NUM_FORCED and all(g is not None for g in grouped)
+    assert all(sorted(set(g[0].tolist())) == [512] and len(g[1]) == 4 for g in grouped)
+    monkeypatch.setattr(llm.model_runner, "share_prefixes", False)
+    alone = forced_logprobs(llm, prompts, continuations, use_graphs=True)
+    assert len(grouped) == 2 * NUM_FORCED
+    for ours in (through_graphs, eager):
+        agreement = compare(ours[:, 1:], alone[:, 1:])
+        print(f"shared pages read once vs by each row: {agreement}")
+        assert agreement["decided"] > 0.5 and agreement["agreement"] >= 0.99
+        assert agreement["top_logprob_diff"] < 0.25 and agreement["kl"] < 1e-2
+
 
 def test_sampling_many_sequences_through_graph_buckets(llm):
     prompts = random_prompts(300, seed=6, lengths=(5, 60))      # decode batches of many bucket sizes

@@ -34,8 +34,13 @@ def test_no_request_compiles_a_kernel_after_start_up(make_checkpoint, kv_cache_d
              kvcache_block_size=block_size) as llm:
         with recorded_compilations() as compiled:
             prompts = random_prompts(40, seed=11, lengths=(1, 1500))
+            # rows over one cached 1,100-token prefix: decode reads its pages once for them (shared_prefixes.py)
+            prefix = random_prompts(1, seed=13, lengths=(1100, 1100))[0]
+            shared = [prefix + p for p in random_prompts(40, seed=12, lengths=(1, 50))]
+            llm.generate(shared[:1], SamplingParams(max_tokens=1), use_tqdm=False)
             for i, options in enumerate(SETTINGS):
-                for batch in (prompts[i:i + 1], prompts[:3], prompts[:40]):     # lone, small, large batches
+                # lone, small, large batches, small and large ones over the shared prefix
+                for batch in (prompts[i:i + 1], prompts[:3], prompts[:40], shared[:3], shared):
                     llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
             assert llm.stats["num_prefix_cache_hit_tokens"] > 0     # the paged prefill path ran too
     assert_none_compiled(compiled)

@@ -94,6 +94,28 @@ def test_tensor_parallel_ranks_warm_up_the_same_large_batch(tiny_model, monkeypa
         assert decodes == ([1, 20, 20] if unsplit else [1, 20])
 
 
+def test_where_rows_may_share_pages_warm_up_decodes_each_batch_both_ways(tiny_model, monkeypatch):
+    """A backend that reads shared pages once for a group (ours on a GPU): warm-up's decode batches run as they
+    come and with their shared first page grouped, two rows grouped as well; the runner's setting is left as
+    it was."""
+    from nanovllm.engine import step_inputs
+    with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=32,
+             max_num_seqs=64) as llm:
+        runner = llm.model_runner
+        monkeypatch.setattr(runner, "share_prefixes", True)
+        decodes = _record_decode_batches(runner, monkeypatch)
+        grouped = []
+        original = step_inputs.shared_prefixes
+        monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
+                            grouped.append(original(*args, **kwargs)) or grouped[-1])
+        monkeypatch.setattr(warmup, "unsplit_batch", lambda *args: 3)
+        warmup.warmup_cached_paths(runner)
+        large = large_batch(llm.config.hf_config.num_key_value_heads, runner.device, llm.config.kv_cache_dtype)
+        assert decodes == [1, 2, 3, 3, large, large]
+        assert [None if g is None else g[0].tolist() for g in grouped] == [[16] * n for n in (2, 3, large)]
+        assert runner.share_prefixes is True
+
+
 def _record_decode_batches(runner, monkeypatch) -> list[int]:
     """The batch sizes of the decode steps runner.run is given from now on."""
     decodes = []

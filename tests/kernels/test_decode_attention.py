@@ -8,8 +8,9 @@ import torch
 
 from nanovllm.kernels import flash_attn_with_kvcache, torch_flash_attn_with_kvcache
 from nanovllm.kernels import decode_attention as decode_attention_module
-from nanovllm.kernels.decode_attention import (REDUCE_SPLITS, choose_num_splits, decode_attention, large_batch,
-                                                unsplit_batch)
+from nanovllm.engine.shared_prefixes import shared_prefixes
+from nanovllm.kernels.decode_attention import (REDUCE_SPLITS, SHARED_PREFIX_ROWS, choose_num_splits, decode_attention,
+                                                large_batch, unsplit_batch)
 from paged_cache import random_paged_cache
 
 CUDA = torch.cuda.is_available()
@@ -115,6 +116,70 @@ def test_fp8_cache(dtype, tol):
         _check(out, _ref(q, k, v, seqlens, table), tol)
 
 
+def _share_pages(table, lens, groups, block_size):
+    """Rows of each group take their first pages from the group's first row (as prefix-cache hits do):
+    groups = [(rows, pages)]. Returns shared_prefixes' metadata for the table, as tensors (every grouping
+    taken, however little it saves)."""
+    for rows, pages in groups:
+        table[rows[1:], :pages] = table[rows[0], :pages]
+    shared = shared_prefixes(table.cpu().numpy(), torch.tensor(lens).numpy(), block_size, SHARED_PREFIX_ROWS, 0.0)
+    assert shared is not None
+    return tuple(torch.from_numpy(a).to(table.device) for a in shared)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rows_sharing_pages_read_them_once_for_the_group(group, num_splits):
+    """Rows whose first pages are the same blocks: the group's programs read those pages for all of them, each
+    row its own keys after them, and the merge gives what every row reading all its keys gives (beside rows in no
+    group; a group longer than an item's rows; q heads per kv head 1 to 8, 3 padded in the stacked operand)."""
+    torch.manual_seed(0)
+    lens = [70, 75, 40, 90, 33, 18, 64, 65] + [50 + 3 * i for i in range(20)]
+    q, k, v, seqlens, table = _setup(lens, 2 * group, 2, 32, 16, torch.float32, DEVICE)
+    shared = _share_pages(table, lens, [([0, 1, 3, 6, 7], 2), ([2, 4], 1), (list(range(8, 28)), 3)], 16)
+    assert int((shared[1][:, 2] > 0).sum()) > 2             # the 20-row group spans two items
+    out = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=16, shared_prefix=shared)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+    unshared = decode_attention(q, k, v, seqlens, table, num_splits=num_splits, block_n=16)
+    _check(out, unshared.double(), 1e-5)
+
+
+def test_shared_pages_larger_than_a_tile_with_items_to_spare_and_an_order():
+    """Pages of 64 read in 16-key tiles; a whole context shared but for its newest page; items past the step's
+    (a graph's capacity) hold no rows and write nothing; rows taken longest first."""
+    torch.manual_seed(1)
+    lens = [129, 200, 150, 140, 64 * 3 + 1, 20]
+    q, k, v, seqlens, table = _setup(lens, 8, 2, 64, 64, torch.float32, DEVICE)
+    shared_lens, items, members = _share_pages(table, lens, [([0, 1, 2, 3, 4], 2)], 64)
+    assert shared_lens.tolist() == [128] * 5 + [0]
+    items = torch.cat([items, torch.zeros(3, 3, dtype=torch.int32, device=items.device)])
+    order = torch.argsort(seqlens - shared_lens, descending=True, stable=True).to(torch.int32)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=2, block_n=16, order=order,
+                           shared_prefix=(shared_lens, items, members))
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_shared_pages_of_an_fp8_cache(dtype, tol):
+    """An fp8 cache's shared pages widened as the row's own are (bf16 queries: float16 dots)."""
+    lens = [40, 47, 33, 60]
+    q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float8_e4m3fn, DEVICE)
+    q = q.to(dtype)
+    shared = _share_pages(table, lens, [([0, 1, 2, 3], 2)], 16)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=2, block_n=16, shared_prefix=shared)
+    _check(out, _ref(q, k, v, seqlens, table), tol)
+
+
+def test_more_q_heads_a_kv_head_than_a_group_holds_read_every_key_themselves():
+    """Past MAX_SHARED_PREFIX_GROUP q heads a kv head (16 rows' stacked heads would pass 128 operand rows) the
+    shared prefix is ignored: the output is still right."""
+    lens = [40, 47]
+    q, k, v, seqlens, table = _setup(lens, 16, 1, 32, 16, torch.float32, DEVICE)
+    shared = _share_pages(table, lens, [([0, 1], 2)], 16)
+    out = decode_attention(q, k, v, seqlens, table, num_splits=1, block_n=16, shared_prefix=shared)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 1024, 132) == 1
     assert choose_num_splits(8, 8, 8192, 132) > 4
@@ -215,3 +280,40 @@ def test_cuda_graph_capture(batch):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, _ref(q, k, v, seqlens, table), 1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("batch,group", [(256, 2), (64, 4), (24, 8)])
+def test_full_size_shared_prefixes_under_graph_capture(batch, group, cache_dtype):
+    """Eight prompts of 2,000 tokens, each shared by a batch's eighth (the shared-prefix workload's layout):
+    the default tiles at full size, captured once and replayed with other groups (fewer items than the
+    capacity: the rest hold no rows), as the engine's shared-prefix graphs are."""
+    torch.manual_seed(0)
+    lens = [2048 + int(n) for n in torch.randint(1, 300, (batch,))]
+    q, k, v, seqlens, table = _setup(lens, 8 * group, 8, 128, 256, cache_dtype, "cuda")
+    q = q.bfloat16()
+    per = batch // 8
+    shared = _share_pages(table, lens, [(list(range(i * per, (i + 1) * per)), 7) for i in range(8)], 256)
+    static = (shared[0].clone(), torch.zeros(batch // 2, 3, dtype=torch.int32, device="cuda"), shared[2].clone())
+    static[1][:len(shared[1])] = shared[1]
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, shared_prefix=static)
+    _check(out, _ref(q, k, v, seqlens, table), 1e-2)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, shared_prefix=static)
+    # the next step: half the groups share 3 pages, the others nothing (each row's own page in their place)
+    for i in range(8):
+        rows = slice(i * per, (i + 1) * per)
+        table[rows, 3 if i % 2 == 0 else 0:7] = table[rows, 7:8]
+    regrouped = _share_pages(table, lens, [], 256)
+    assert sorted(set(regrouped[0].tolist())) == [0, 3 * 256]
+    static[0].copy_(regrouped[0])
+    static[1].zero_()
+    static[1][:len(regrouped[1])] = regrouped[1]
+    static[2][:len(regrouped[2])] = regrouped[2]
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, _ref(q, k, v, seqlens, table), 1e-2)

@@ -1,0 +1,121 @@
+"""Which decode rows read their shared first pages once for the group (engine/shared_prefixes.py): by the
+pages themselves, never the page being written, the grouping that saves the most reads, items of bounded size,
+and nothing where the saving is small."""
+import os
+import random
+
+import numpy as np
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import step_inputs
+from nanovllm.engine.shared_prefixes import MIN_SAVED_FRACTION, shared_prefixes
+from oracle import hf_greedy, load_hf_model
+
+PAGE = 16
+
+
+def _tables(rows: list[list[int]]) -> np.ndarray:
+    width = max(map(len, rows))
+    return np.array([row + [-1] * (width - len(row)) for row in rows], dtype=np.int32)
+
+
+def _groups(shared, tables: np.ndarray) -> list[tuple[list[int], int]]:
+    """(sorted member rows, shared tokens) of each group (rows reading the same pages), whatever its items."""
+    shared_lens, items, members = shared
+    groups: dict[tuple, set] = {}
+    for leader, first, count in items.tolist():
+        rows = members[first:first + count].tolist()
+        pages = int(shared_lens[leader]) // PAGE
+        assert pages > 0 and set(shared_lens[rows].tolist()) == {pages * PAGE}
+        assert (tables[rows, :pages] == tables[leader, :pages]).all()
+        groups.setdefault(tuple(tables[leader, :pages].tolist()), set()).update(rows)
+    return sorted((sorted(rows), len(pages) * PAGE) for pages, rows in groups.items())
+
+
+def test_rows_sharing_their_first_pages_form_a_group_of_the_pages_they_all_share():
+    tables = _tables([[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 4, 12], [7, 8, 13], [9, 14]])
+    lens = np.array([4 * PAGE - 3, 4 * PAGE - 5, 4 * PAGE - 1, 3 * PAGE - 2, 2 * PAGE - 8])
+    shared = shared_prefixes(tables, lens, PAGE, 16, min_saved_fraction=0.0)
+    # rows 0-2 share pages 1, 2 (three rows at 2 pages save 4 page reads; 0 and 1 alone at 3 pages save 3)
+    assert _groups(shared, tables) == [([0, 1, 2], 2 * PAGE)]
+    assert shared[0].tolist() == [2 * PAGE] * 3 + [0, 0]
+
+
+def test_a_longer_run_shared_by_subgroups_wins_when_it_saves_more():
+    """A one-page system prompt under four 5-page documents, eight rows each: four groups of 6 pages save
+    4 x 7 x 6 page reads, one group of 1 page 31."""
+    rows = [[0] + [10 + 5 * doc + j for j in range(5)] + [100 + 8 * doc + i] for doc in range(4) for i in range(8)]
+    lens = np.full(32, 6 * PAGE + 3)
+    tables = _tables(rows)
+    shared = shared_prefixes(tables, lens, PAGE, 16)
+    assert _groups(shared, tables) == [(list(range(8 * doc, 8 * doc + 8)), 6 * PAGE) for doc in range(4)]
+
+
+def test_the_page_holding_a_rows_newest_token_is_never_shared():
+    """Two rows with the very same pages (one request's completions right after the fork, or verification rows
+    of one sequence): the page their newest tokens lie in may still be written, so only the pages before it."""
+    tables = _tables([[5, 6, 7], [5, 6, 7]])
+    shared = shared_prefixes(tables, np.array([2 * PAGE + 1, 3 * PAGE]), PAGE, 16, min_saved_fraction=0.0)
+    assert _groups(shared, tables) == [([0, 1], 2 * PAGE)]
+    # a context inside its first page shares nothing
+    assert shared_prefixes(tables, np.array([PAGE, PAGE]), PAGE, 16, min_saved_fraction=0.0) is None
+
+
+@pytest.mark.parametrize("num_rows,rows_per_item", [(16, 16), (17, 16), (40, 16), (7, 3)])
+def test_a_group_is_spread_evenly_over_items_of_at_most_rows_per_item(num_rows, rows_per_item):
+    tables = _tables([[1, 2, 100 + i] for i in range(num_rows)])
+    shared_lens, items, members = shared_prefixes(tables, np.full(num_rows, 2 * PAGE + 5), PAGE, rows_per_item)
+    counts = items[:, 2]
+    assert counts.sum() == num_rows and counts.max() <= rows_per_item and counts.max() - counts.min() <= 1
+    assert counts.min() >= 2                     # a graph's item capacity is half its rows
+    assert sorted(members.tolist()) == list(range(num_rows))
+    for leader, first, count in items.tolist():
+        assert leader == members[first]            # an item reads the pages through one of its own rows
+    assert shared_lens.tolist() == [2 * PAGE] * num_rows
+
+
+def test_nothing_shared_or_too_little_saved_gives_none():
+    distinct = _tables([[3 * i, 3 * i + 1, 3 * i + 2] for i in range(8)])
+    assert shared_prefixes(distinct, np.full(8, 3 * PAGE), PAGE, 16) is None
+    assert shared_prefixes(distinct[:1], np.array([3 * PAGE]), PAGE, 16, min_saved_fraction=0.0) is None
+    # two of eight rows share one page of their three: 1 page saved of 24 read, under MIN_SAVED_FRACTION
+    few = distinct.copy()
+    few[1, 0] = few[0, 0]
+    lens = np.full(8, 3 * PAGE)
+    assert PAGE / lens.sum() < MIN_SAVED_FRACTION
+    assert shared_prefixes(few, lens, PAGE, 16) is None
+    assert _groups(shared_prefixes(few, lens, PAGE, 16, min_saved_fraction=0.0), few) == [([0, 1], PAGE)]
+
+
+def test_padding_of_the_tables_is_never_a_shared_page():
+    """-1 pads a shorter row's table: rows whose contexts end before it share nothing there."""
+    tables = _tables([[1, 2], [1, 2], [1, 2, 3, 4], [1, 2, 3, 4]])
+    lens = np.array([2 * PAGE, 2 * PAGE, 4 * PAGE, 4 * PAGE])
+    # rows 0-1 end in page 2 (its newest token): all four share page 1; rows 2-3 share pages 1-3
+    # (4 rows x 1 page: 3 saved; 2 rows x 3 pages: 3 saved; the whole group is kept on a tie)
+    assert _groups(shared_prefixes(tables, lens, PAGE, 16, min_saved_fraction=0.0), tables) == [([0, 1, 2, 3], PAGE)]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests cover the Triton backend")
+def test_the_engine_reads_shared_pages_once_and_decodes_as_transformers(make_checkpoint, monkeypatch):
+    """Our Triton backend in the whole engine (the interpreter, float32): four prompts over a 40-token prefix
+    cached by an earlier call decode with their two shared pages grouped, and give transformers' greedy
+    tokens."""
+    model_dir = make_checkpoint(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64)
+    rng = random.Random(0)
+    prefix = [rng.randrange(512) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(4)]
+    hf = load_hf_model(model_dir)
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    grouped = []
+    original = step_inputs.shared_prefixes
+    monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
+                        grouped.append(original(*args, **kwargs)) or grouped[-1])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(model_dir), device="cpu", attention_backend="triton", kvcache_block_size=16,
+             max_model_len=128) as llm:
+        llm.generate([prefix + [1]], params, use_tqdm=False)       # caches the prefix's pages
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == expected
+    assert any(g is not None and g[0].tolist() == [32] * 4 for g in grouped)
