@@ -159,6 +159,20 @@ def test_shared_pages_larger_than_a_tile_with_items_to_spare_and_an_order():
     _check(out, _ref(q, k, v, seqlens, table), 1e-5)
 
 
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_shared_pages_smaller_than_a_tile(block_n):
+    """16-token pages read in larger tiles: a row's own keys start at a page, inside a tile (each row's page
+    looked up), and a group's chunk of pages ends inside its last tile."""
+    torch.manual_seed(2)
+    lens = [90, 101, 77, 130, 45]
+    q, k, v, seqlens, table = _setup(lens, 4, 2, 64, 16, torch.float32, DEVICE)
+    shared = _share_pages(table, lens, [([0, 1, 2, 3], 3), ([0, 4], 1)], 16)
+    assert shared[0].tolist() == [48] * 4 + [0]         # (four rows at 3 pages save more than five at 1)
+    for splits in (1, 2):
+        out = decode_attention(q, k, v, seqlens, table, num_splits=splits, block_n=block_n, shared_prefix=shared)
+        _check(out, _ref(q, k, v, seqlens, table), 1e-5)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
 def test_shared_pages_of_an_fp8_cache(dtype, tol):
     """An fp8 cache's shared pages widened as the row's own are (bf16 queries: float16 dots)."""
