@@ -144,6 +144,9 @@ def test_rows_sharing_prefixes_read_them_once_and_agree_with_each_row_reading_it
     prefixes = random_prompts(4, seed=30, lengths=(700, 700))
     prompts = [prefixes[i % 4] + p for i, p in enumerate(random_prompts(40, seed=31, lengths=(1, 100)))]
     continuations = random_prompts(40, seed=32, lengths=(NUM_FORCED, NUM_FORCED))
+    # the prefixes' pages cached, so that the prompts' allocations below hit them (the scheduler registers
+    # a step's full pages; forced_logprobs allocates directly)
+    llm.generate([prefix + [1] for prefix in prefixes], SamplingParams(max_tokens=1), use_tqdm=False)
     grouped = []
     original = step_inputs.shared_prefixes
     monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
