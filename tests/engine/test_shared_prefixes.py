@@ -119,3 +119,48 @@ def test_the_engine_reads_shared_pages_once_and_decodes_as_transformers(make_che
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
     assert any(g is not None and g[0].tolist() == [32] * 4 for g in grouped)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests cover the Triton backend")
+def test_grouped_rows_under_what_users_mix(make_checkpoint, monkeypatch):
+    """Our Triton backend (the interpreter), one batch over a cached 100-token prefix in 16-token pages, in a
+    cache that preempts: greedy requests ending on stop strings, seeded n = 3 requests whose completions end at
+    different steps, and a request aborted mid-run. Decode steps group the rows over the prefix's six pages; the
+    greedy requests end as with every row reading its own pages (text, tokens, finish reason), every request
+    ends, and nothing stays held."""
+    from mixed_batch import assert_mixed_outputs
+    model_dir = make_checkpoint(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64)
+    rng = random.Random(12)
+    prefix = [rng.randrange(1, 512) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (10, 3, 9, 17, 25)]
+    settings = dict(device="cpu", attention_backend="triton", kvcache_block_size=16, max_model_len=256,
+                    num_kvcache_blocks=14, max_num_batched_tokens=128)
+    grouped = []
+    original = step_inputs.shared_prefixes
+    monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
+                        grouped.append(original(*args, **kwargs)) or grouped[-1])
+
+    def run(share_prefixes: bool, requests: list, params: list) -> list[dict]:
+        with LLM(str(model_dir), **settings) as llm:
+            llm.model_runner.share_prefixes = share_prefixes
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            aborted = llm.add_request(prompts[4], SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True))
+            for _ in range(3):
+                llm.step()
+            llm.abort_request(aborted)
+            outputs = llm.generate(requests, params, use_tqdm=False)
+            assert llm.stats["num_preemptions"] > 0 or len(requests) == 3     # the mix overflows the cache
+            assert llm.is_finished() and llm.scheduler.block_manager.used_block_ids == set()
+        return outputs
+
+    free = run(False, prompts[:3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    middles = [out["text"][len(out["text"]) // 2:][:2] for out in free]
+    stopped = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[m] if m.strip() else None)
+               for m in middles]
+    expected = run(False, prompts[:3], stopped)
+    assert any(out["finish_reason"] == "stop" for out in expected) and not grouped
+    sampled = [SamplingParams(n=3, temperature=1.0, seed=70 + i, max_tokens=6 + 5 * i,
+                              stop_token_ids=list(range(7, 512, 10))) for i in range(2)]
+    outputs = run(True, prompts[:3] + prompts[3:5], stopped + sampled)
+    assert any(g is not None and (g[0] == 96).sum() >= 4 for g in grouped)
+    assert_mixed_outputs(outputs[:3], expected, outputs[3:], sampled)
