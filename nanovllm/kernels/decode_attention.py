@@ -49,6 +49,30 @@ def _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end, o
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_row_ptr, start, end, offs_d, qk_scale, kv_head,
+                 stride_kb, stride_kt, stride_vb, stride_vt,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    """Keys [start, end) of the sequence whose block table row bt_row_ptr is, tile by tile (start on a tile
+    edge of the chunking: every tile but the last full)."""
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    # each tile's page (or, in pages smaller than a tile, each row's) is loaded a tile ahead: a tile's K/V
+    # loads wait on it (H100, Qwen3-0.6B shape, one stream in 16-token pages: 1.147 -> 1.065 ms/token)
+    page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N)
+    for n_start in range(start, full_end, BLOCK_N):
+        next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end,
+                                     offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC, TMA)
+        page = next_page
+    if full_end < end:                  # `page` is full_end's tile's now
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, full_end, end,
+                                     offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC, TMA)
+    return acc, m_i, l_i
+
+
 # an eager step's table may be any width, and its metadata columns sit at any offset of the step's one copy
 # (per-program scalar loads: their alignment buys nothing, and would be one more variant to warm)
 @triton.jit(do_not_specialize=["num_splits", "stride_btb", "batch", "part_stride"],
@@ -89,7 +113,6 @@ def _decode_kernel(
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = first_key + split * chunk
     end = tl.minimum(seq_len, start + chunk)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -106,21 +129,9 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, TMA)
-    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-
-    # each tile's page (or, in pages smaller than a tile, each row's) is loaded a tile ahead: a tile's K/V
-    # loads wait on it (H100, Qwen3-0.6B shape, one stream in 16-token pages: 1.147 -> 1.065 ms/token)
-    page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N)
-    for n_start in range(start, full_end, BLOCK_N):
-        next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N)
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end,
-                                     offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC, TMA)
-        page = next_page
-    if full_end < end:                  # `page` is full_end's tile's now
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, full_end, end,
-                                     offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
-                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC, TMA)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, bt_ptr + b.to(tl.int64) * stride_btb,
+                                 start, end, offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                 HEAD_DIM, D_PAD, BLOCK_N, PAGE, DOT_PREC, TMA)
 
     if not SPLIT:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -167,7 +178,6 @@ def _shared_prefix_kernel(
         chunk = tl.cdiv(tl.cdiv(prefix_len, SPLITS), PAGE) * PAGE
         start = split * chunk
         end = tl.minimum(prefix_len, start + chunk)
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
         offs_r = tl.arange(0, ROWS)
         offs_d = tl.arange(0, D_PAD)
@@ -185,18 +195,11 @@ def _shared_prefix_kernel(
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
         k_head_ptr, v_head_ptr = kv_head_source(k_ptr, v_ptr, kv_head, stride_kh, stride_vh, False)
-        bt_row_ptr = bt_ptr + leader.to(tl.int64) * stride_btb
-        page = tile_page(bt_row_ptr, start, end, True, PAGE, BLOCK_N)
-        for n_start in range(start, full_end, BLOCK_N):
-            next_page = tile_page(bt_row_ptr, n_start + BLOCK_N, end, True, PAGE, BLOCK_N)
-            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, n_start, end,
-                                         offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
-                                         HEAD_DIM, D_PAD, BLOCK_N, PAGE, False, DOT_PREC, False)
-            page = next_page
-        if full_end < end:          # pages smaller than a tile: the chunk's last tile is part of one
-            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, page, full_end, end,
-                                         offs_d, qk_scale, kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
-                                         HEAD_DIM, D_PAD, BLOCK_N, PAGE, True, DOT_PREC, False)
+        # pages smaller than a tile: a chunk's last tile may be part of one (masked)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_head_ptr, v_head_ptr,
+                                     bt_ptr + leader.to(tl.int64) * stride_btb, start, end, offs_d, qk_scale,
+                                     kv_head, stride_kb, stride_kt, stride_vb, stride_vt,
+                                     HEAD_DIM, D_PAD, BLOCK_N, PAGE, DOT_PREC, False)
         row = (b * num_heads + heads) * part_stride + first_slot + split
         tl.store(part_m_ptr + row, m_i, mask=r_ok)
         tl.store(part_l_ptr + row, l_i, mask=r_ok)
