@@ -8,8 +8,9 @@ reads the shared pages again: 256 sequences over 8 prompts of 2,000 tokens read 
 
 A row's group covers whole pages before the one holding its newest token (that page may still be written).
 Rows are grouped by the pages themselves, longest common run first: where a group's rows diverge after a
-common run, it is split into the subgroups that agree longer if they save more reads than the whole group at
-the shorter run does (one group per row: a row reads one shared run, then its own keys).
+common run, it is split into the subgroups that agree longer (the rows in none of them a group of their own at
+the common run) if they save more reads than the whole group at the shorter run does (one group per row: a row
+reads one shared run, then its own keys).
 """
 import numpy as np
 
@@ -76,9 +77,14 @@ def _best_groups(block_tables: np.ndarray, own_pages: np.ndarray, rows: np.ndarr
     # the rows that go on past the common run (all of them where they diverge, else those longer than the
     # shortest): those that agree at its next page may share more
     longer = rows[own_pages[rows] > common]
-    saved, groups = 0, []
+    saved, groups, placed = 0, [], []
     for part in _partition(block_tables, longer, common):
         part_saved, part_groups = _best_groups(block_tables, own_pages, part, common)
         saved += part_saved
         groups.extend(part_groups)
+        placed.extend(member for group_rows, _ in part_groups for member in group_rows)
+    left = np.setdiff1d(rows, placed) if placed else rows   # the rest still share the common run
+    if len(left) >= 2:
+        saved += (len(left) - 1) * common
+        groups.append((left, common))
     return (saved, groups) if saved > best[0] else best

@@ -52,6 +52,16 @@ def test_a_longer_run_shared_by_subgroups_wins_when_it_saves_more():
     assert _groups(shared, tables) == [(list(range(8 * doc, 8 * doc + 8)), 6 * PAGE) for doc in range(4)]
 
 
+def test_rows_left_out_of_the_longer_subgroups_still_share_the_common_run():
+    """Rows 0, 1 and 3 agree for four pages, 2 and 4 only on the first with them: 0, 1, 3 read four pages once
+    and 2, 4 one page once (9 page reads saved), rather than 2 and 4 reading theirs alone (8)."""
+    tables = _tables([[1, 2, 3, 4, 12, 13, 14], [1, 2, 3, 4, 12, 13, 14], [1, 2, 16, 17], [1, 2, 3, 4, 5, 6], [1, 18]])
+    lens = np.array([209, 193, 123, 166, 61])
+    shared = shared_prefixes(tables, lens, 32, 16, min_saved_fraction=0.0)
+    assert shared[0].tolist() == [128, 128, 32, 128, 32]
+    assert len(shared[1]) == 2 and sorted(shared[2].tolist()) == [0, 1, 2, 3, 4]
+
+
 def test_the_page_holding_a_rows_newest_token_is_never_shared():
     """Two rows with the very same pages (one request's completions right after the fork, or verification rows
     of one sequence): the page their newest tokens lie in may still be written, so only the pages before it."""
@@ -92,9 +102,10 @@ def test_padding_of_the_tables_is_never_a_shared_page():
     """-1 pads a shorter row's table: rows whose contexts end before it share nothing there."""
     tables = _tables([[1, 2], [1, 2], [1, 2, 3, 4], [1, 2, 3, 4]])
     lens = np.array([2 * PAGE, 2 * PAGE, 4 * PAGE, 4 * PAGE])
-    # rows 0-1 end in page 2 (its newest token): all four share page 1; rows 2-3 share pages 1-3
-    # (4 rows x 1 page: 3 saved; 2 rows x 3 pages: 3 saved; the whole group is kept on a tie)
-    assert _groups(shared_prefixes(tables, lens, PAGE, 16, min_saved_fraction=0.0), tables) == [([0, 1, 2, 3], PAGE)]
+    # rows 0-1 hold their newest tokens in their second page: they share the first; rows 2-3 share three
+    # (one group of four at 1 page saves 3 page reads; 0-1 at 1 page and 2-3 at 3 pages save 4)
+    assert _groups(shared_prefixes(tables, lens, PAGE, 16, min_saved_fraction=0.0), tables) == \
+        [([0, 1], PAGE), ([2, 3], 3 * PAGE)]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests cover the Triton backend")
