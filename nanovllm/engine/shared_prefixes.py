@@ -67,8 +67,9 @@ def _partition(block_tables: np.ndarray, rows: np.ndarray, col: int) -> list[np.
 
 def _best_groups(block_tables: np.ndarray, own_pages: np.ndarray, rows: np.ndarray, col: int
                  ) -> tuple[int, list[tuple[np.ndarray, int]]]:
-    """The grouping of `rows` (two or more, the same pages in columns [0, col]) that saves the most page
-    reads: (pages saved, [(rows, shared pages)])."""
+    """A grouping of `rows` (two or more, the same pages in columns [0, col]) and the page reads it saves:
+    (pages saved, [(rows, shared pages)]). Each branch's own grouping is taken as it comes (not always the most
+    saved overall: two rows may save more in the rest's group at the shorter run than in their own longer one)."""
     limit = int(own_pages[rows].min())
     run = block_tables[rows, col:limit]
     agree = (run == run[0]).all(axis=0)
