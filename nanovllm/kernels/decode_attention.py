@@ -334,7 +334,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_sc
     """`flash_attn_with_kvcache` with explicit split count and tile sizes (None: heuristics).
     order: int32 [B], a permutation of the batch, the sequences taken in that order (longest first: see
     _decode_kernel); None: as they come.
-    shared_prefix: (shared_lens, items, members), int32 tensors (step_inputs.shared_prefixes): rows whose
+    shared_prefix: (shared_lens, items, members), int32 tensors (engine/shared_prefixes.py): rows whose
     contexts begin with the same pages read those pages once for the group (_shared_prefix_kernel) and
     their own keys after them as usual; the reduce merges the two. None, or a group of more than 8 q heads
     a kv head: every row reads all its keys.
