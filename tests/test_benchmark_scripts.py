@@ -42,3 +42,16 @@ def test_every_nanovllm_name_a_script_imports_exists(script):
         if name is not None and not hasattr(module, name) and importlib.util.find_spec(f"{module_name}.{name}") is None:
             missing.append(f"{module_name}.{name}")
     assert not missing, f"{script.name} imports what nanovllm no longer has: {missing}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or __import__("torch").cuda.is_available(),
+                    reason="the GPU box runs the benchmark itself")
+def test_the_shared_prefix_benchmark_dry_runs_on_the_cpu():
+    """benchmarks/bench_shared_prefix.py on a CPU: one small layout in the interpreter, the grouped output
+    checked against every row reading its own keys, the saved fraction reported."""
+    spec = importlib.util.spec_from_file_location("bench_shared_prefix", ROOT / "benchmarks/bench_shared_prefix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (result,) = module.main([])
+    assert result["layout"] == "dry" and result["items"] == 2
+    assert result["saved_fraction"] == round((2 * 256 + 512) / (300 + 290 + 280 + 600 + 610), 3)
