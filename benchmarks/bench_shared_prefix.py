@@ -25,6 +25,7 @@ import torch
 if not torch.cuda.is_available():   # the dry run: kernels in Triton's interpreter (set before triton's import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench_kernels, beside it
 from nanovllm.engine.shared_prefixes import MIN_SAVED_FRACTION, shared_prefixes  # noqa: E402
 from nanovllm.kernels import decode_attention as decode_module  # noqa: E402
 
@@ -67,11 +68,12 @@ def paged(lens: list[int], groups: list[tuple[int, int]], kv_heads: int, cache_d
 
 
 def time_us(fn, device) -> float:
+    """bench_kernels' median in a CUDA graph, in us; on a CPU one call and no time."""
     if device.type != "cuda":
         fn()
         return float("nan")
-    from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, rep=200) * 1e3
+    from bench_kernels import ms
+    return ms(fn, graph=True) * 1e3
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

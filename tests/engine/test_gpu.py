@@ -8,6 +8,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import reset_context
 from benchmarks.random_checkpoint import QWEN3_0_6B
+from groupings import record_groupings
 from oracle import hf_greedy, load_hf_model
 from teacher_forcing import NUM_FORCED, TIE_MARGIN, compare, forced_logprobs, hf_forced_logprobs, random_prompts
 
@@ -140,17 +141,13 @@ def test_rows_sharing_prefixes_read_them_once_and_agree_with_each_row_reading_it
     """Forty prompts over four 700-token prefixes (two full pages each shares with nine others): decode steps
     group the rows by their shared pages (shared_prefixes.py), through the shared-prefix graphs and eagerly, and
     give the log-probs of every row reading all its own pages, to rounding (as graphs against eager)."""
-    from nanovllm.engine import step_inputs
     prefixes = random_prompts(4, seed=30, lengths=(700, 700))
     prompts = [prefixes[i % 4] + p for i, p in enumerate(random_prompts(40, seed=31, lengths=(1, 100)))]
     continuations = random_prompts(40, seed=32, lengths=(NUM_FORCED, NUM_FORCED))
     # the prefixes' pages cached, so that the prompts' allocations below hit them (the scheduler registers
     # a step's full pages; forced_logprobs allocates directly)
     llm.generate([prefix + [1] for prefix in prefixes], SamplingParams(max_tokens=1), use_tqdm=False)
-    grouped = []
-    original = step_inputs.shared_prefixes
-    monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
-                        grouped.append(original(*args, **kwargs)) or grouped[-1])
+    grouped = record_groupings(monkeypatch)
     assert any(bs >= 40 for bs in llm.model_runner.graphs.shared_sizes)
     through_graphs = forced_logprobs(llm, prompts, continuations, use_graphs=True)
     eager = forced_logprobs(llm, prompts, continuations, use_graphs=False)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import step_inputs
 from nanovllm.engine.shared_prefixes import MIN_SAVED_FRACTION, shared_prefixes
+from groupings import record_groupings
 from oracle import hf_greedy, load_hf_model
 
 PAGE = 16
@@ -119,10 +119,7 @@ def test_the_engine_reads_shared_pages_once_and_decodes_as_transformers(make_che
     prompts = [prefix + [rng.randrange(512) for _ in range(rng.randint(1, 10))] for _ in range(4)]
     hf = load_hf_model(model_dir)
     expected = [hf_greedy(hf, p, 8) for p in prompts]
-    grouped = []
-    original = step_inputs.shared_prefixes
-    monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
-                        grouped.append(original(*args, **kwargs)) or grouped[-1])
+    grouped = record_groupings(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(str(model_dir), device="cpu", attention_backend="triton", kvcache_block_size=16,
              max_model_len=128) as llm:
@@ -146,10 +143,7 @@ def test_grouped_rows_under_what_users_mix(make_checkpoint, monkeypatch):
     prompts = [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (10, 3, 9, 17, 25)]
     settings = dict(device="cpu", attention_backend="triton", kvcache_block_size=16, max_model_len=256,
                     num_kvcache_blocks=14, max_num_batched_tokens=128)
-    grouped = []
-    original = step_inputs.shared_prefixes
-    monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
-                        grouped.append(original(*args, **kwargs)) or grouped[-1])
+    grouped = record_groupings(monkeypatch)
 
     def run(share_prefixes: bool, requests: list, params: list) -> list[dict]:
         with LLM(str(model_dir), **settings) as llm:

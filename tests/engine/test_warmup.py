@@ -9,6 +9,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine import warmup
 from nanovllm.kernels.decode_attention import large_batch
 from nanovllm.sampling_params import MAX_LOGPROBS
+from groupings import record_groupings
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.cpu_only]     # the engine is device="cpu"
@@ -98,16 +99,12 @@ def test_where_rows_may_share_pages_warm_up_decodes_each_batch_both_ways(tiny_mo
     """A backend that reads shared pages once for a group (ours on a GPU): warm-up's decode batches run as they
     come and with their shared first page grouped, two rows grouped as well; the runner's setting is left as
     it was."""
-    from nanovllm.engine import step_inputs
     with LLM(str(tiny_model), device="cpu", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=32,
              max_num_seqs=64) as llm:
         runner = llm.model_runner
         monkeypatch.setattr(runner, "share_prefixes", True)
         decodes = _record_decode_batches(runner, monkeypatch)
-        grouped = []
-        original = step_inputs.shared_prefixes
-        monkeypatch.setattr(step_inputs, "shared_prefixes", lambda *args, **kwargs:
-                            grouped.append(original(*args, **kwargs)) or grouped[-1])
+        grouped = record_groupings(monkeypatch)
         monkeypatch.setattr(warmup, "unsplit_batch", lambda *args: 3)
         warmup.warmup_cached_paths(runner)
         large = large_batch(llm.config.hf_config.num_key_value_heads, runner.device, llm.config.kv_cache_dtype)
