@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.shared_prefixes import MIN_SAVED_FRACTION, shared_prefixes
@@ -129,24 +130,31 @@ def test_the_engine_reads_shared_pages_once_and_decodes_as_transformers(make_che
     assert any(g is not None and g[0].tolist() == [32] * 4 for g in grouped)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests cover the Triton backend")
-def test_grouped_rows_under_what_users_mix(make_checkpoint, monkeypatch):
-    """Our Triton backend (the interpreter), one batch over a cached 100-token prefix in 16-token pages, in a
-    cache that preempts: greedy requests ending on stop strings, seeded n = 3 requests whose completions end at
-    different steps, and a request aborted mid-run. Decode steps group the rows over the prefix's six pages; the
-    greedy requests end as with every row reading its own pages (text, tokens, finish reason), every request
-    ends, and nothing stays held."""
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the kernels on CPU tensors")),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_grouped_rows_under_what_users_mix(make_checkpoint, monkeypatch, device):
+    """Our Triton backend (the interpreter, or a GPU through the decode graphs that group rows), float32, one
+    batch over a cached 100-token prefix in 16-token pages, in a cache that preempts: greedy requests ending on
+    stop strings, seeded n = 3 requests whose completions end at different steps, and a request aborted mid-run.
+    Decode steps group the rows over the prefix's six pages; the greedy requests end as with every row reading
+    its own pages (text, tokens, finish reason), every request ends, and nothing stays held."""
     from mixed_batch import assert_mixed_outputs
     model_dir = make_checkpoint(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64)
     rng = random.Random(12)
     prefix = [rng.randrange(1, 512) for _ in range(100)]
     prompts = [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (10, 3, 9, 17, 25)]
-    settings = dict(device="cpu", attention_backend="triton", kvcache_block_size=16, max_model_len=256,
+    settings = dict(device=device, attention_backend="triton", kvcache_block_size=16, max_model_len=256,
                     num_kvcache_blocks=14, max_num_batched_tokens=128)
     grouped = record_groupings(monkeypatch)
 
     def run(share_prefixes: bool, requests: list, params: list) -> list[dict]:
+        before = len(grouped)
         with LLM(str(model_dir), **settings) as llm:
+            del grouped[before:]       # what a GPU's warm-up grouped
+            if device == "cuda":       # the decode graphs for groups were captured, whatever this run reads
+                assert llm.model_runner.graphs.shared_sizes
             llm.model_runner.share_prefixes = share_prefixes
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
             aborted = llm.add_request(prompts[4], SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True))
