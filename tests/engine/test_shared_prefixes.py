@@ -109,6 +109,8 @@ def test_padding_of_the_tables_is_never_a_shared_page():
         [([0, 1], PAGE), ([2, 3], 3 * PAGE)]
 
 
+# the engine tests below run generate loops to their end: a regression that never ends them fails, not hangs CI
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests cover the Triton backend")
 def test_the_engine_reads_shared_pages_once_and_decodes_as_transformers(make_checkpoint, monkeypatch):
     """Our Triton backend in the whole engine (the interpreter, float32): four prompts over a 40-token prefix
@@ -130,6 +132,7 @@ def test_the_engine_reads_shared_pages_once_and_decodes_as_transformers(make_che
     assert any(g is not None and g[0].tolist() == [32] * 4 for g in grouped)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the kernels on CPU tensors")),
