@@ -8,18 +8,20 @@ Written against Triton 3.6 (the GPU image's): Gluon's API moves between releases
 so on a CPU machine with a newer Triton, compile with 3.6's wheel beside it: `pip download --no-deps triton==3.6.0`,
 unzip it into DIR, then PYTHONPATH=DIR:. (its ptxas may need `chmod +x`).
 
-Causal attention of fresh sequences (nothing cached: K/V packed at q's rows, as a prompt's first chunk), bf16,
-head_dim 128, Qwen3-8B's heads (32 q, 8 kv). The kernel does on Hopper what FlashAttention-3 does and Triton's
-compiler did not for our kernel: one loader warp streams K and V tiles by TMA into a ring of shared-memory
-stages (mbarriers: ready per tile, released when both consumers are done with it); two consumer warpgroups each
-own 64 rows of a program's 128 and run S = Q K^T and O += P V as asynchronous wgmma, P from registers, S of the
-next key tile issued before the softmax of this one so the tensor cores work while the softmax does; the two
-groups interleave on the SM's schedulers. A program's 128 rows are PACK q heads x 128 // PACK queries sharing one
-kv head (PACK 1: a program a q head; PACK 4: K/V read once for the group, as the engine's kernel does).
+Causal attention of a prefill chunk, bf16, head_dim 128, Qwen3-8B's heads (32 q, 8 kv), K/V in the engine's
+256-token pages (a page's unwritten rows may hold NaN: V's rows past a sequence are zeroed in shared memory before
+P V), with or without a cached prefix. The kernel does on Hopper what FlashAttention-3 does and Triton's compiler
+did not for our kernel: one loader warp streams K and V tiles by TMA into a ring of shared-memory stages
+(mbarriers: ready per tile, released when both consumers are done with it); two consumer warpgroups each own 64
+rows of a program's 128 and run S = Q K^T and O += P V as asynchronous wgmma, P from registers, S of the next key
+tile issued before the softmax of this one so the tensor cores work while the softmax does; the two groups
+interleave on the SM's schedulers. A program's 128 rows are PACK q heads x 128 // PACK queries sharing one kv head
+(PACK 1: a program a q head; PACK 4: K/V read once for the group, as the engine's kernel does).
 
-First measured 2026-12-07 (one H100, PACK 1 only, docs/benchmarks.md): 1.04-1.07x the engine's kernel on 8 x 2,000
-tokens, 1.03-1.04x on 16 x 1,024, 1.08-1.11x on 1 x 12,000, 0.83x on 29 x 560 (short prompts: a program per q head
-reads K/V four times). PACK 4 has not run on a GPU yet.
+First measured 2026-12-07 (one H100, PACK 1, fresh prompts with K/V packed, docs/benchmarks.md): 1.04-1.07x the
+engine's kernel on 8 x 2,000 tokens, 1.03-1.04x on 16 x 1,024, 1.08-1.11x on 1 x 12,000, 0.83x on 29 x 560 (short
+prompts: a program per q head reads K/V four times). PACK 4, the paged reads and cached prefixes were written after
+that run: compiled for sm_90, not yet run on a GPU.
 """
 import argparse
 import math
@@ -36,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LOG2E = 1.4426950408889634
 HQ, HKV, D = 32, 8, 128
-CASES = [(8, 2000), (16, 1024), (29, 560), (1, 12000)]     # (sequences, tokens each): prefill-heavy's chunk first
+# (sequences, new tokens each, cached tokens each): prefill-heavy's chunk first, standard's, a long prompt, then
+# chunks after cached prefixes (a prompt's later chunk; a shared prefix's hit)
+CASES = [(8, 2000, 0), (16, 1024, 0), (29, 560, 0), (1, 12000, 0), (1, 4096, 8192), (16, 64, 2000)]
 CONFIGS = [  # (PACK, BLOCK_N, STAGES)
     (1, 128, 3), (1, 64, 3), (4, 128, 2), (4, 128, 3), (4, 64, 3), (4, 64, 4),
 ]
@@ -44,20 +48,23 @@ CONSUMER_REGS, LOADER_REGS = 232, 24
 
 
 @gluon.jit
-def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, k_row, kv_col, n_tiles,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _kv_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, bt_row_ptr, kv_col, n_tiles,
+               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     for i in range(n_tiles):
         s = i % STAGES
+        page = gl.load(bt_row_ptr + (i * BLOCK_N) // PAGE)         # a tile lies inside one page (PAGE % BLOCK_N == 0)
+        row = page * PAGE + (i * BLOCK_N) % PAGE
         mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)     # a fresh barrier passes parity 1 at once
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_bufs.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, kv_col], v_ready.index(s), v_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
 def _softmax_rows(s, m_i, l_i, qpos, tile, first_query, qk_scale, BLOCK_N: gl.constexpr, col_layout: gl.constexpr):
-    """Online softmax over one key tile (log2 domain); only tiles that reach past a row's query are masked."""
+    """Online softmax over one key tile (log2 domain). qpos: the last key each row sees; only tiles reaching past
+    the first of them are masked."""
     if (tile + 1) * BLOCK_N - 1 > first_query:
         offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         s = gl.where(offs_n[None, :] <= qpos[:, None], s, float("-inf"))
@@ -69,10 +76,23 @@ def _softmax_rows(s, m_i, l_i, qpos, tile, first_query, qk_scale, BLOCK_N: gl.co
 
 
 @gluon.jit
+def _zero_rows_past(v_tile, tile, seq_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Rows of a V tile past the sequence's last key set to zero in shared memory (both groups write the same)."""
+    if (tile + 1) * BLOCK_N > seq_k:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        values = v_tile.load(layout)
+        v_tile.store(gl.where((keys < seq_k)[:, None], values, gl.zeros_like(values)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
 def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, o_ptr, stride_ot, q_start,
-              seq_q, q_first, first_head, n_tiles, qk_scale, PACK: gl.constexpr, GROUP_ROW: gl.constexpr,
+              seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK: gl.constexpr, GROUP_ROW: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """64 of the program's rows (row r: query q_first + r // PACK, q head first_head + r % PACK)."""
+    """64 of the program's rows (row r: query q_first + r // PACK, q head first_head + r % PACK); query j sees the
+    keys up to j + seq_k - seq_q (a cached prefix's keys first)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -92,8 +112,9 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
     fence_async_shared()
     gl.thread_barrier()
 
-    qpos = q_first + (GROUP_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))) // PACK
-    first_query = q_first + GROUP_ROW // PACK
+    diag = seq_k - seq_q
+    qpos = q_first + diag + (GROUP_ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))) // PACK
+    first_query = q_first + diag + GROUP_ROW // PACK
     m_i = gl.full([64], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     o = gl.zeros((64, HEAD_DIM), dtype=gl.float32, layout=o_layout)
@@ -109,6 +130,7 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
         mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
         s_tok = warpgroup_mma(q, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
+        _zero_rows_past(v_bufs.index(st), i, seq_k, BLOCK_N, HEAD_DIM)
         o_tok = warpgroup_mma(p_op, v_bufs.index(st), o, is_async=True)
         # S of the next tile done (P V of this one may still run: p_op stays alive until it has)
         s, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, p_op))
@@ -119,6 +141,7 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     last = n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    _zero_rows_past(v_bufs.index(last % STAGES), last, seq_k, BLOCK_N, HEAD_DIM)
     o = warpgroup_mma(p_op, v_bufs.index(last % STAGES), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     mbarrier.arrive(kv_empty.index(last % STAGES))
@@ -132,21 +155,24 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
 
 
 @gluon.jit
-def attention_kernel(q_ptr, k_desc, v_desc, o_ptr, cu_ptr, stride_qt, stride_ot, qk_scale,
-                     PACK: gl.constexpr, KV_GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """One program a (tile of 128 // PACK queries, PACK q heads, sequence), heaviest tiles first."""
+def attention_kernel(q_ptr, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, stride_qt, stride_ot, stride_btb,
+                     qk_scale, PACK: gl.constexpr, KV_GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
+    """One program a (tile of 128 // PACK queries, PACK q heads, sequence), heaviest tiles first. K/V in the paged
+    cache viewed [pages * PAGE, kv heads * HEAD_DIM] (k_desc, v_desc), a sequence's pages in its block table row."""
     QUERIES: gl.constexpr = 128 // PACK
     tile = gl.program_id(0)
     first_head = gl.program_id(1) * PACK
     seq = gl.program_id(2)
-    q_start = gl.load(cu_ptr + seq)
-    seq_q = gl.load(cu_ptr + seq + 1) - q_start
+    q_start = gl.load(cu_q_ptr + seq)
+    seq_q = gl.load(cu_q_ptr + seq + 1) - q_start
+    seq_k = gl.load(cu_k_ptr + seq + 1) - gl.load(cu_k_ptr + seq)
     seq_tiles = gl.cdiv(seq_q, QUERIES)
     if tile >= seq_tiles:
         return
     q_first = (seq_tiles - 1 - tile) * QUERIES
-    n_tiles = gl.cdiv(gl.minimum(seq_q, q_first + QUERIES), BLOCK_N)
+    n_tiles = gl.cdiv(gl.minimum(seq_q, q_first + QUERIES) + seq_k - seq_q, BLOCK_N)
     kv_head = first_head // KV_GROUP
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.bfloat16)
@@ -164,12 +190,17 @@ def attention_kernel(q_ptr, k_desc, v_desc, o_ptr, cu_ptr, stride_qt, stride_ot,
 
     gl.warp_specialize([
         (_consumer, (q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, o_ptr, stride_ot,
-                     q_start, seq_q, q_first, first_head, n_tiles, qk_scale, PACK, 0, HEAD_DIM, BLOCK_N, STAGES)),
+                     q_start, seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK, 0, HEAD_DIM, BLOCK_N,
+                     STAGES)),
         (_consumer, (q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, o_ptr, stride_ot,
-                     q_start, seq_q, q_first, first_head, n_tiles, qk_scale, PACK, 64, HEAD_DIM, BLOCK_N, STAGES)),
-        (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty, q_start, kv_head * HEAD_DIM,
-                      n_tiles, BLOCK_N, STAGES)),
+                     q_start, seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK, 64, HEAD_DIM, BLOCK_N,
+                     STAGES)),
+        (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                      bt_ptr + seq.to(gl.int64) * stride_btb, kv_head * HEAD_DIM, n_tiles, PAGE, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+PAGE = 256          # the engine's default KV page
 
 
 def kv_layout(block_n: int):
@@ -184,34 +215,60 @@ def compile_only() -> None:
     for pack, block_n, stages in CONFIGS:
         layout = kv_layout(block_n)
         signature = {"q_ptr": "*bf16", "k_desc": f"tensordesc<bf16[{block_n}, {D}],{layout!r}>",
-                     "v_desc": f"tensordesc<bf16[{block_n}, {D}],{layout!r}>", "o_ptr": "*bf16", "cu_ptr": "*i32",
-                     "stride_qt": "i32", "stride_ot": "i32", "qk_scale": "fp32"}
-        constants = dict(PACK=pack, KV_GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
+                     "v_desc": f"tensordesc<bf16[{block_n}, {D}],{layout!r}>", "o_ptr": "*bf16",
+                     "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "stride_qt": "i32",
+                     "stride_ot": "i32", "stride_btb": "i32", "qk_scale": "fp32"}
+        constants = dict(PACK=pack, KV_GROUP=HQ // HKV, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=block_n, STAGES=stages,
                          CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         signature.update({name: "constexpr" for name in constants})
         kernel = triton.compile(GluonASTSource(attention_kernel, signature, constants),
                                 target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
-        print(f"PACK {pack}, BLOCK_N {block_n}, {stages} stages: compiled, {kernel.metadata.shared:,} B of shared memory")
+        print(f"PACK {pack}, BLOCK_N {block_n}, {stages} stages: compiled, "
+              f"{kernel.metadata.shared:,} B of shared memory")
 
 
-def gluon_attention(q, k, v, cu, max_len, pack, block_n, stages):
-    """(launch, output) for packed q [T, HQ, D], k/v [T, HKV, D], causal."""
+def gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, max_seqlen_q, pack, block_n, stages):
+    """(launch, output): causal attention of q [T, HQ, D] over paged K/V [pages, PAGE, HKV, D] (bf16)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    T = q.shape[0]
+    assert PAGE % block_n == 0 and k_cache.shape[1] == PAGE
     layout = kv_layout(block_n)
-    k2, v2 = k.view(T, HKV * D), v.view(T, HKV * D)
+    k2, v2 = k_cache.view(-1, HKV * D), v_cache.view(-1, HKV * D)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, D], layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block_n, D], layout)
     out = torch.empty_like(q)
-    grid = (triton.cdiv(max_len, 128 // pack), HQ // pack, cu.numel() - 1)
+    grid = (triton.cdiv(max_seqlen_q, 128 // pack), HQ // pack, cu_q.numel() - 1)
     scale = LOG2E / math.sqrt(D)
 
     def launch():
-        attention_kernel[grid](q, k_desc, v_desc, out, cu, q.stride(0), out.stride(0), scale, PACK=pack,
-                               KV_GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages,
-                               CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+        attention_kernel[grid](q, k_desc, v_desc, out, cu_q, cu_k, block_table, q.stride(0), out.stride(0),
+                               block_table.stride(0), scale, PACK=pack, KV_GROUP=HQ // HKV, HEAD_DIM=D, PAGE=PAGE,
+                               BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
+                               LOADER_REGS=LOADER_REGS, num_warps=4)
     return launch, out
+
+
+def paged_batch(num_seqs: int, new: int, cached: int):
+    """q for `new` tokens a sequence after `cached` ones, every sequence's K/V in its own 256-token pages of a
+    cache whose other rows hold NaN (as unwritten memory may): what a prefill chunk reads in the engine."""
+    import torch
+    device = torch.device("cuda")
+    seq_k = cached + new
+    pages = triton.cdiv(seq_k, PAGE)
+    q = torch.randn(num_seqs * new, HQ, D, device=device, dtype=torch.bfloat16)
+    k_cache = torch.full((num_seqs * pages + 1, PAGE, HKV, D), float("nan"), device=device, dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    # pages in reverse order (page 0 left unused): a table that is not the identity
+    block_table = num_seqs * pages - torch.arange(num_seqs * pages, device=device, dtype=torch.int32)
+    block_table = block_table.view(num_seqs, pages)
+    for i in range(num_seqs):
+        rows = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE, device=device) for p in block_table[i].tolist()])
+        rows = rows[:seq_k]
+        k_cache.view(-1, HKV, D)[rows] = torch.randn(seq_k, HKV, D, device=device, dtype=torch.bfloat16)
+        v_cache.view(-1, HKV, D)[rows] = torch.randn(seq_k, HKV, D, device=device, dtype=torch.bfloat16)
+    cu_q = torch.arange(0, num_seqs * new + 1, new, device=device, dtype=torch.int32)
+    cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device=device, dtype=torch.int32)
+    return q, k_cache, v_cache, cu_q, cu_k, block_table
 
 
 def main() -> None:
@@ -220,40 +277,28 @@ def main() -> None:
 
     from nanovllm.kernels.prefill_attention import prefill_attention
     torch.manual_seed(0)
-    device = torch.device("cuda")
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     table = []
-    for num_seqs, length in CASES:
-        T = num_seqs * length
-        q = torch.randn(T, HQ, D, device=device, dtype=torch.bfloat16)
-        k = torch.randn(T, HKV, D, device=device, dtype=torch.bfloat16)
-        v = torch.randn(T, HKV, D, device=device, dtype=torch.bfloat16)
-        cu = torch.arange(0, T + 1, length, device=device, dtype=torch.int32)
-        flops = 2 * HQ * D * length * length * num_seqs          # causal: half of 4 L^2 D a head
-        # the engine's path: K/V in 256-token pages (k_new/v_new given, as the model runner gives them)
-        pages = triton.cdiv(length, 256)
-        k_cache = torch.zeros(num_seqs, pages * 256, HKV, D, device=device, dtype=torch.bfloat16)
-        v_cache = torch.zeros_like(k_cache)
-        k_cache[:, :length] = k.view(num_seqs, length, HKV, D)
-        v_cache[:, :length] = v.view(num_seqs, length, HKV, D)
-        k_cache, v_cache = k_cache.view(-1, 256, HKV, D), v_cache.view(-1, 256, HKV, D)
-        block_table = torch.arange(num_seqs * pages, device=device, dtype=torch.int32).view(num_seqs, pages)
+    for num_seqs, new, cached in CASES:
+        q, k_cache, v_cache, cu_q, cu_k, block_table = paged_batch(num_seqs, new, cached)
+        flops = 4 * HQ * D * num_seqs * (new * cached + new * new / 2)     # QK^T and PV over the causal keys
 
         def ours():
-            return prefill_attention(q, k_cache, v_cache, cu, cu, causal=True, block_table=block_table,
-                                     max_seqlen_q=length, max_seqlen_k=length, k_new=k, v_new=v)
+            return prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=block_table,
+                                     max_seqlen_q=new, max_seqlen_k=new + cached)
         reference = ours()
+        assert not reference.isnan().any(), "the engine's kernel read a NaN row"
         t_ours = do_bench_cudagraph(ours)
-        print(f"{num_seqs} x {length}: the engine's kernel {t_ours * 1e3:.1f} us, {flops / t_ours / 1e9:.0f} TFLOP/s",
-              flush=True)
+        print(f"{num_seqs} x {new} new after {cached} cached: the engine's kernel {t_ours * 1e3:.1f} us, "
+              f"{flops / t_ours / 1e9:.0f} TFLOP/s", flush=True)
         best = (math.inf, None)
         for pack, block_n, stages in CONFIGS:
             try:
-                launch, out = gluon_attention(q, k, v, cu, length, pack, block_n, stages)
+                launch, out = gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, new, pack, block_n, stages)
                 launch()
                 torch.cuda.synchronize()
                 diff = (out.float() - reference.float()).abs().max().item()
-                if not diff < 3e-2:
+                if not diff < 3e-2:         # NaN fails too
                     print(f"  PACK {pack}, BLOCK_N {block_n}, {stages} stages: WRONG, max difference {diff:.3g}")
                     continue
                 t = do_bench_cudagraph(launch)
@@ -263,12 +308,12 @@ def main() -> None:
             except Exception as error:     # noqa: BLE001 - a sweep: report the config and go on
                 print(f"  PACK {pack}, BLOCK_N {block_n}, {stages} stages: FAILED {type(error).__name__}: "
                       f"{str(error)[:300]}", flush=True)
-        table.append((num_seqs, length, flops, t_ours, best))
+        table.append((f"{num_seqs} x {new}" + (f" after {cached}" if cached else ""), flops, t_ours, best))
     print("\n| batch | engine TFLOP/s | Gluon TFLOP/s (best) | Gluon / engine | config (PACK, BLOCK_N, stages) |")
     print("| --- | --- | --- | --- | --- |")
-    for num_seqs, length, flops, t_ours, (t, config) in table:
+    for name, flops, t_ours, (t, config) in table:
         gluon_tflops = flops / t / 1e9 if t < math.inf else float("nan")
-        print(f"| {num_seqs} x {length} | {flops / t_ours / 1e9:.0f} | {gluon_tflops:.0f} | {t_ours / t:.3f} | {config} |")
+        print(f"| {name} | {flops / t_ours / 1e9:.0f} | {gluon_tflops:.0f} | {t_ours / t:.3f} | {config} |")
 
 
 if __name__ == "__main__":
