@@ -15,13 +15,14 @@ did not for our kernel: one loader warp streams K and V tiles by TMA into a ring
 (mbarriers: ready per tile, released when both consumers are done with it); two consumer warpgroups each own 64
 rows of a program's 128 and run S = Q K^T and O += P V as asynchronous wgmma, P from registers, S of the next key
 tile issued before the softmax of this one so the tensor cores work while the softmax does; the two groups
-interleave on the SM's schedulers. A program's 128 rows are PACK q heads x 128 // PACK queries sharing one kv head
+interleave on the SM's schedulers, or (PINGPONG) take turns issuing their MMAs through two mbarriers, so that one
+group's softmax runs while the other's MMAs do. A program's 128 rows are PACK q heads x 128 // PACK queries sharing one kv head
 (PACK 1: a program a q head; PACK 4: K/V read once for the group, as the engine's kernel does).
 
 First measured 2026-12-07 (one H100, PACK 1, fresh prompts with K/V packed, docs/benchmarks.md): 1.04-1.07x the
 engine's kernel on 8 x 2,000 tokens, 1.03-1.04x on 16 x 1,024, 1.08-1.11x on 1 x 12,000, 0.83x on 29 x 560 (short
 prompts: a program per q head reads K/V four times). PACK 4, the paged reads and cached prefixes were written after
-that run: compiled for sm_90, not yet run on a GPU.
+that run, and so was the ping-pong: compiled for sm_90, not yet run on a GPU.
 """
 import argparse
 import math
@@ -41,8 +42,9 @@ HQ, HKV, D = 32, 8, 128
 # (sequences, new tokens each, cached tokens each): prefill-heavy's chunk first, standard's, a long prompt, then
 # chunks after cached prefixes (a prompt's later chunk; a shared prefix's hit)
 CASES = [(8, 2000, 0), (16, 1024, 0), (29, 560, 0), (1, 12000, 0), (1, 4096, 8192), (16, 64, 2000)]
-CONFIGS = [  # (PACK, BLOCK_N, STAGES)
-    (1, 128, 3), (1, 64, 3), (4, 128, 2), (4, 128, 3), (4, 64, 3), (4, 64, 4),
+CONFIGS = [  # (PACK, BLOCK_N, STAGES, PINGPONG)
+    (1, 128, 3, False), (1, 128, 3, True), (4, 128, 2, False), (4, 128, 3, False), (4, 128, 3, True),
+    (4, 64, 3, False), (4, 64, 4, True),
 ]
 CONSUMER_REGS, LOADER_REGS = 232, 24
 
@@ -88,9 +90,24 @@ def _zero_rows_past(v_tile, tile, seq_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.con
 
 
 @gluon.jit
-def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, o_ptr, stride_ot, q_start,
-              seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK: gl.constexpr, GROUP_ROW: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _take_turn(turns, point, GROUP_ROW: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong (FlashAttention-3): a group issues its MMAs only in its turn, so that its softmax runs while the
+    other group's MMAs do. Turns alternate per issue point; group 0's first is given at the start."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(GROUP_ROW // 64), point & 1)
+
+
+@gluon.jit
+def _pass_turn(turns, GROUP_ROW: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - GROUP_ROW // 64))
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turns, o_ptr, stride_ot,
+              q_start, seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK: gl.constexpr,
+              GROUP_ROW: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """64 of the program's rows (row r: query q_first + r // PACK, q head first_head + r % PACK); query j sees the
     keys up to j + seq_k - seq_q (a cached prefix's keys first)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -120,7 +137,9 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
     o = gl.zeros((64, HEAD_DIM), dtype=gl.float32, layout=o_layout)
     s_zero = gl.zeros((64, BLOCK_N), dtype=gl.float32, layout=s_layout)
     mbarrier.wait(k_ready.index(0), 0)
+    _take_turn(turns, 0, GROUP_ROW, PINGPONG)
     s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _pass_turn(turns, GROUP_ROW, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     p, alpha, m_i, l_i = _softmax_rows(s, m_i, l_i, qpos, 0, first_query, qk_scale, BLOCK_N, col_layout)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
@@ -128,10 +147,12 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
         st = i % STAGES
         nxt = (i + 1) % STAGES
         mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
         _zero_rows_past(v_bufs.index(st), i, seq_k, BLOCK_N, HEAD_DIM)
+        _take_turn(turns, i + 1, GROUP_ROW, PINGPONG)
+        s_tok = warpgroup_mma(q, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p_op, v_bufs.index(st), o, is_async=True)
+        _pass_turn(turns, GROUP_ROW, PINGPONG)
         # S of the next tile done (P V of this one may still run: p_op stays alive until it has)
         s, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, p_op))
         p, alpha, m_i, l_i = _softmax_rows(s, m_i, l_i, qpos, i + 1, first_query, qk_scale, BLOCK_N, col_layout)
@@ -142,7 +163,9 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
     last = n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     _zero_rows_past(v_bufs.index(last % STAGES), last, seq_k, BLOCK_N, HEAD_DIM)
+    _take_turn(turns, n_tiles, GROUP_ROW, PINGPONG)
     o = warpgroup_mma(p_op, v_bufs.index(last % STAGES), o, is_async=True)
+    _pass_turn(turns, GROUP_ROW, PINGPONG)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     mbarrier.arrive(kv_empty.index(last % STAGES))
 
@@ -157,8 +180,8 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
 @gluon.jit
 def attention_kernel(q_ptr, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, stride_qt, stride_ot, stride_btb,
                      qk_scale, PACK: gl.constexpr, KV_GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
+                     PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """One program a (tile of 128 // PACK queries, PACK q heads, sequence), heaviest tiles first. K/V in the paged
     cache viewed [pages * PAGE, kv heads * HEAD_DIM] (k_desc, v_desc), a sequence's pages in its block table row."""
     QUERIES: gl.constexpr = 128 // PACK
@@ -186,15 +209,19 @@ def attention_kernel(q_ptr, k_desc, v_desc, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, s
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=2)       # both consumer groups release a stage
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
     fence_async_shared()
+    mbarrier.arrive(turns.index(0))                     # group 0 issues first
 
     gl.warp_specialize([
-        (_consumer, (q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, o_ptr, stride_ot,
+        (_consumer, (q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turns, o_ptr, stride_ot,
                      q_start, seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK, 0, HEAD_DIM, BLOCK_N,
-                     STAGES)),
-        (_consumer, (q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, o_ptr, stride_ot,
+                     STAGES, PINGPONG)),
+        (_consumer, (q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, turns, o_ptr, stride_ot,
                      q_start, seq_q, seq_k, q_first, first_head, n_tiles, qk_scale, PACK, 64, HEAD_DIM, BLOCK_N,
-                     STAGES)),
+                     STAGES, PINGPONG)),
         (_kv_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                       bt_ptr + seq.to(gl.int64) * stride_btb, kv_head * HEAD_DIM, n_tiles, PAGE, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -212,22 +239,22 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     print("triton", triton.__version__)
-    for pack, block_n, stages in CONFIGS:
+    for pack, block_n, stages, pingpong in CONFIGS:
         layout = kv_layout(block_n)
         signature = {"q_ptr": "*bf16", "k_desc": f"tensordesc<bf16[{block_n}, {D}],{layout!r}>",
                      "v_desc": f"tensordesc<bf16[{block_n}, {D}],{layout!r}>", "o_ptr": "*bf16",
                      "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "stride_qt": "i32",
                      "stride_ot": "i32", "stride_btb": "i32", "qk_scale": "fp32"}
         constants = dict(PACK=pack, KV_GROUP=HQ // HKV, HEAD_DIM=D, PAGE=PAGE, BLOCK_N=block_n, STAGES=stages,
-                         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+                         PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
         signature.update({name: "constexpr" for name in constants})
         kernel = triton.compile(GluonASTSource(attention_kernel, signature, constants),
                                 target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
-        print(f"PACK {pack}, BLOCK_N {block_n}, {stages} stages: compiled, "
+        print(f"PACK {pack}, BLOCK_N {block_n}, {stages} stages, ping-pong {pingpong}: compiled, "
               f"{kernel.metadata.shared:,} B of shared memory")
 
 
-def gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, max_seqlen_q, pack, block_n, stages):
+def gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, max_seqlen_q, pack, block_n, stages, pingpong):
     """(launch, output): causal attention of q [T, HQ, D] over paged K/V [pages, PAGE, HKV, D] (bf16)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -243,7 +270,7 @@ def gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, max_seqlen_q, 
     def launch():
         attention_kernel[grid](q, k_desc, v_desc, out, cu_q, cu_k, block_table, q.stride(0), out.stride(0),
                                block_table.stride(0), scale, PACK=pack, KV_GROUP=HQ // HKV, HEAD_DIM=D, PAGE=PAGE,
-                               BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
+                               BLOCK_N=block_n, STAGES=stages, PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS,
                                LOADER_REGS=LOADER_REGS, num_warps=4)
     return launch, out
 
@@ -292,24 +319,25 @@ def main() -> None:
         print(f"{num_seqs} x {new} new after {cached} cached: the engine's kernel {t_ours * 1e3:.1f} us, "
               f"{flops / t_ours / 1e9:.0f} TFLOP/s", flush=True)
         best = (math.inf, None)
-        for pack, block_n, stages in CONFIGS:
+        for config in CONFIGS:
+            name = "PACK {}, BLOCK_N {}, {} stages, ping-pong {}".format(*config)
             try:
-                launch, out = gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, new, pack, block_n, stages)
+                launch, out = gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, new, *config)
                 launch()
                 torch.cuda.synchronize()
                 diff = (out.float() - reference.float()).abs().max().item()
                 if not diff < 3e-2:         # NaN fails too
-                    print(f"  PACK {pack}, BLOCK_N {block_n}, {stages} stages: WRONG, max difference {diff:.3g}")
+                    print(f"  {name}: WRONG, max difference {diff:.3g}")
                     continue
                 t = do_bench_cudagraph(launch)
-                print(f"  PACK {pack}, BLOCK_N {block_n}, {stages} stages: {t * 1e3:.1f} us, "
-                      f"{flops / t / 1e9:.0f} TFLOP/s (max difference {diff:.3g})", flush=True)
-                best = min(best, (t, (pack, block_n, stages)), key=lambda pair: pair[0])
+                print(f"  {name}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s (max difference {diff:.3g})",
+                      flush=True)
+                best = min(best, (t, config), key=lambda pair: pair[0])
             except Exception as error:     # noqa: BLE001 - a sweep: report the config and go on
-                print(f"  PACK {pack}, BLOCK_N {block_n}, {stages} stages: FAILED {type(error).__name__}: "
-                      f"{str(error)[:300]}", flush=True)
+                print(f"  {name}: FAILED {type(error).__name__}: {str(error)[:300]}", flush=True)
         table.append((f"{num_seqs} x {new}" + (f" after {cached}" if cached else ""), flops, t_ours, best))
-    print("\n| batch | engine TFLOP/s | Gluon TFLOP/s (best) | Gluon / engine | config (PACK, BLOCK_N, stages) |")
+    print("\n| batch | engine TFLOP/s | Gluon TFLOP/s (best) | Gluon / engine | config: PACK, BLOCK_N, stages, "
+          "ping-pong |")
     print("| --- | --- | --- | --- | --- |")
     for name, flops, t_ours, (t, config) in table:
         gluon_tflops = flops / t / 1e9 if t < math.inf else float("nan")
