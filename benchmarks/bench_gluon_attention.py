@@ -16,8 +16,8 @@ did not for our kernel: one loader warp streams K and V tiles by TMA into a ring
 rows of a program's 128 and run S = Q K^T and O += P V as asynchronous wgmma, P from registers, S of the next key
 tile issued before the softmax of this one so the tensor cores work while the softmax does; the two groups
 interleave on the SM's schedulers, or (PINGPONG) take turns issuing their MMAs through two mbarriers, so that one
-group's softmax runs while the other's MMAs do. A program's 128 rows are PACK q heads x 128 // PACK queries sharing one kv head
-(PACK 1: a program a q head; PACK 4: K/V read once for the group, as the engine's kernel does).
+group's softmax runs while the other's MMAs do. A program's 128 rows are PACK q heads x 128 // PACK queries sharing
+one kv head (PACK 1: a program a q head; PACK 4: K/V read once for the group, as the engine's kernel does).
 
 First measured 2026-12-07 (one H100, PACK 1, fresh prompts with K/V packed, docs/benchmarks.md): 1.04-1.07x the
 engine's kernel on 8 x 2,000 tokens, 1.03-1.04x on 16 x 1,024, 1.08-1.11x on 1 x 12,000, 0.83x on 29 x 560 (short
@@ -147,10 +147,10 @@ def _consumer(q_ptr, stride_qt, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_emp
         st = i % STAGES
         nxt = (i + 1) % STAGES
         mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
-        _zero_rows_past(v_bufs.index(st), i, seq_k, BLOCK_N, HEAD_DIM)
         _take_turn(turns, i + 1, GROUP_ROW, PINGPONG)
         s_tok = warpgroup_mma(q, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(st), (i // STAGES) & 1)
+        _zero_rows_past(v_bufs.index(st), i, seq_k, BLOCK_N, HEAD_DIM)
         o_tok = warpgroup_mma(p_op, v_bufs.index(st), o, is_async=True)
         _pass_turn(turns, GROUP_ROW, PINGPONG)
         # S of the next tile done (P V of this one may still run: p_op stays alive until it has)
