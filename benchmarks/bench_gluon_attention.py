@@ -276,23 +276,20 @@ def gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, max_seqlen_q, 
 
 
 def paged_batch(num_seqs: int, new: int, cached: int):
-    """q for `new` tokens a sequence after `cached` ones, every sequence's K/V in its own 256-token pages of a
-    cache whose other rows hold NaN (as unwritten memory may): what a prefill chunk reads in the engine."""
+    """q for `new` tokens a sequence after `cached` ones, K/V in 256-token pages in shuffled order (a table that is
+    not the identity), the rows a sequence's last page leaves unwritten NaN (as unwritten memory may be): what a
+    prefill chunk reads in the engine."""
     import torch
     device = torch.device("cuda")
     seq_k = cached + new
     pages = triton.cdiv(seq_k, PAGE)
     q = torch.randn(num_seqs * new, HQ, D, device=device, dtype=torch.bfloat16)
-    k_cache = torch.full((num_seqs * pages + 1, PAGE, HKV, D), float("nan"), device=device, dtype=torch.bfloat16)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    # pages in reverse order (page 0 left unused): a table that is not the identity
-    block_table = num_seqs * pages - torch.arange(num_seqs * pages, device=device, dtype=torch.int32)
-    block_table = block_table.view(num_seqs, pages)
-    for i in range(num_seqs):
-        rows = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE, device=device) for p in block_table[i].tolist()])
-        rows = rows[:seq_k]
-        k_cache.view(-1, HKV, D)[rows] = torch.randn(seq_k, HKV, D, device=device, dtype=torch.bfloat16)
-        v_cache.view(-1, HKV, D)[rows] = torch.randn(seq_k, HKV, D, device=device, dtype=torch.bfloat16)
+    k_cache = torch.randn(num_seqs * pages, PAGE, HKV, D, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_seqs * pages, device=device).to(torch.int32).view(num_seqs, pages)
+    last_pages = block_table[:, -1].long()
+    k_cache[last_pages, seq_k - (pages - 1) * PAGE:] = float("nan")
+    v_cache[last_pages, seq_k - (pages - 1) * PAGE:] = float("nan")
     cu_q = torch.arange(0, num_seqs * new + 1, new, device=device, dtype=torch.int32)
     cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device=device, dtype=torch.int32)
     return q, k_cache, v_cache, cu_q, cu_k, block_table
@@ -302,13 +299,14 @@ def main() -> None:
     import torch
     from triton.testing import do_bench_cudagraph
 
+    from benchmarks.bench_kernels import causal_pairs
     from nanovllm.kernels.prefill_attention import prefill_attention
     torch.manual_seed(0)
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     table = []
     for num_seqs, new, cached in CASES:
         q, k_cache, v_cache, cu_q, cu_k, block_table = paged_batch(num_seqs, new, cached)
-        flops = 4 * HQ * D * num_seqs * (new * cached + new * new / 2)     # QK^T and PV over the causal keys
+        flops = 4 * HQ * D * num_seqs * causal_pairs(new, cached)         # QK^T and P V over the causal keys
 
         def ours():
             return prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=block_table,
