@@ -16,6 +16,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_moe import time_us   # CUDA events around rounds of the calls
 from nanovllm.kernels import pointwise
 from nanovllm.kernels.prefill_attention import prefill_attention
 
@@ -46,18 +47,6 @@ def run_layers(layers: list[dict], x, residual, cu_seqlens, seq_len: int):
     return x, residual
 
 
-def ms_per_call(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def measure(layers: list[dict], num_seqs: int, seq_len: int) -> dict[str, list[float]]:
     tokens, half = num_seqs * seq_len, (num_seqs // 2) * seq_len
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -84,7 +73,7 @@ def measure(layers: list[dict], num_seqs: int, seq_len: int) -> dict[str, list[f
                 "halves one after the other": lambda: [run_layers(layers, *h, seq_len) for h in halves],
                 "halves on two streams": lambda: on_two_streams(False),
                 "halves on two streams, launched layer by layer": lambda: on_two_streams(True)}
-    return {name: [ms_per_call(fn) for _ in range(2)] for name, fn in variants.items()}
+    return {name: [time_us([fn], graph=False, iters=5) / 1e3 for _ in range(2)] for name, fn in variants.items()}
 
 
 def main() -> None:
