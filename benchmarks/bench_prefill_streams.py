@@ -28,7 +28,8 @@ def make_layers(num_layers: int, device: str = "cuda", dtype=torch.bfloat16) -> 
     def weight(n, k):
         return torch.randn(n, k, device=device, dtype=dtype) * 0.02
     qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    return [dict(norm1=torch.ones(HIDDEN, device=device, dtype=dtype), norm2=torch.ones(HIDDEN, device=device, dtype=dtype),
+    ones = torch.ones(HIDDEN, device=device, dtype=dtype)
+    return [dict(norm1=ones, norm2=ones,
                  qkv=weight(qkv, HIDDEN), o=weight(HIDDEN, HEADS * HEAD_DIM), gate_up=weight(2 * INTERMEDIATE, HIDDEN),
                  down=weight(HIDDEN, INTERMEDIATE)) for _ in range(num_layers)]
 
