@@ -19,10 +19,11 @@ interleave on the SM's schedulers, or (PINGPONG) take turns issuing their MMAs t
 group's softmax runs while the other's MMAs do. A program's 128 rows are PACK q heads x 128 // PACK queries sharing
 one kv head (PACK 1: a program a q head; PACK 4: K/V read once for the group, as the engine's kernel does).
 
-First measured 2026-12-07 (one H100, PACK 1, fresh prompts with K/V packed, docs/benchmarks.md): 1.04-1.07x the
-engine's kernel on 8 x 2,000 tokens, 1.03-1.04x on 16 x 1,024, 1.08-1.11x on 1 x 12,000, 0.83x on 29 x 560 (short
-prompts: a program per q head reads K/V four times). PACK 4, the paged reads and cached prefixes were written after
-that run, and so was the ping-pong: compiled for sm_90, not yet run on a GPU.
+Measured on one H100 (docs/benchmarks.md): with PACK 1 and K/V packed (thirty-third session) 1.04-1.07x the
+engine's kernel on 8 x 2,000 tokens, 0.83x on 29 x 560; with PACK 4, the paged reads, cached prefixes and the
+ping-pong (2026-12-07, thirty-fourth session, every config correct) 1.06x on 8 x 2,000, 1.01x on 16 x 1,024,
+0.98x on 29 x 560, 1.10x on 1 x 12,000, 1.09-1.20x after cached prefixes. Not taken into the engine: ~0.4% of
+the bf16 prefill-heavy row, for a second prefill kernel on an experimental API.
 """
 import argparse
 import math
@@ -275,37 +276,20 @@ def gluon_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, max_seqlen_q, 
     return launch, out
 
 
-def paged_batch(num_seqs: int, new: int, cached: int):
-    """q for `new` tokens a sequence after `cached` ones, K/V in 256-token pages in shuffled order (a table that is
-    not the identity), the rows a sequence's last page leaves unwritten NaN (as unwritten memory may be): what a
-    prefill chunk reads in the engine."""
-    import torch
-    device = torch.device("cuda")
-    seq_k = cached + new
-    pages = triton.cdiv(seq_k, PAGE)
-    q = torch.randn(num_seqs * new, HQ, D, device=device, dtype=torch.bfloat16)
-    k_cache = torch.randn(num_seqs * pages, PAGE, HKV, D, device=device, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    block_table = torch.randperm(num_seqs * pages, device=device).to(torch.int32).view(num_seqs, pages)
-    last_pages = block_table[:, -1].long()
-    k_cache[last_pages, seq_k - (pages - 1) * PAGE:] = float("nan")
-    v_cache[last_pages, seq_k - (pages - 1) * PAGE:] = float("nan")
-    cu_q = torch.arange(0, num_seqs * new + 1, new, device=device, dtype=torch.int32)
-    cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device=device, dtype=torch.int32)
-    return q, k_cache, v_cache, cu_q, cu_k, block_table
-
-
 def main() -> None:
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from benchmarks.bench_kernels import causal_pairs
+    from benchmarks.bench_kernels import BLOCK_SIZE, causal_pairs, paged_prefill_batch
     from nanovllm.kernels.prefill_attention import prefill_attention
+    assert BLOCK_SIZE == PAGE
     torch.manual_seed(0)
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     table = []
     for num_seqs, new, cached in CASES:
-        q, k_cache, v_cache, cu_q, cu_k, block_table = paged_batch(num_seqs, new, cached)
+        # K/V in the engine's pages, shuffled, the last page's unwritten rows NaN: what a prefill chunk reads
+        q, k_cache, v_cache, cu_q, cu_k, block_table = paged_prefill_batch(num_seqs, new, cached, heads=HQ,
+                                                                           kv_heads=HKV, nan_tails=True)
         flops = 4 * HQ * D * num_seqs * causal_pairs(new, cached)         # QK^T and P V over the causal keys
 
         def ours():

@@ -214,19 +214,32 @@ def causal_pairs(num_new: int, num_cached: int) -> int:
     return num_new * num_cached + num_new * (num_new + 1) // 2
 
 
+def paged_prefill_batch(num_seqs: int, num_new: int, num_cached: int, heads: int = HEADS, kv_heads: int = KV_HEADS,
+                        nan_tails: bool = False, device: str = "cuda"):
+    """(q, k_cache, v_cache, cu_q, cu_k, block_table) of a prefill chunk: num_new tokens a sequence after
+    num_cached ones, K/V in BLOCK_SIZE-token pages in shuffled order (a table that is not the identity);
+    nan_tails: the rows a sequence's last page leaves unwritten hold NaN, as unwritten memory may."""
+    seq_k = num_cached + num_new
+    pages_per_seq = triton.cdiv(seq_k, BLOCK_SIZE)
+    q = torch.randn(num_seqs * num_new, heads, HEAD_DIM, device=device, dtype=DTYPE)
+    k_cache = torch.randn(num_seqs * pages_per_seq, BLOCK_SIZE, kv_heads, HEAD_DIM, device=device, dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_seqs * pages_per_seq, device=device).to(torch.int32).view(num_seqs, -1)
+    if nan_tails:
+        last_pages = table[:, -1].long()
+        k_cache[last_pages, seq_k - (pages_per_seq - 1) * BLOCK_SIZE:] = float("nan")
+        v_cache[last_pages, seq_k - (pages_per_seq - 1) * BLOCK_SIZE:] = float("nan")
+    cu_q = torch.arange(0, num_seqs * num_new + 1, num_new, device=device, dtype=torch.int32)
+    cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device=device, dtype=torch.int32)
+    return q, k_cache, v_cache, cu_q, cu_k, table
+
+
 def paged_prefill(num_seqs: int, num_new: int, num_cached: int, **tiles):
     """(fn, pairs): our paged prefill of num_new tokens per sequence over num_cached cached ones
     (tiles: prefill_attention's block_m, block_n, num_warps, num_stages, use_tma)."""
-    seq_k = num_cached + num_new
-    pages_per_seq = triton.cdiv(seq_k, BLOCK_SIZE)
-    q = torch.randn(num_seqs * num_new, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    k_cache = torch.randn(num_seqs * pages_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(num_seqs * pages_per_seq, device="cuda").to(torch.int32).view(num_seqs, -1)
-    cu_q = torch.arange(0, num_seqs * num_new + 1, num_new, device="cuda", dtype=torch.int32)
-    cu_k = torch.arange(0, num_seqs * seq_k + 1, seq_k, device="cuda", dtype=torch.int32)
+    q, k_cache, v_cache, cu_q, cu_k, table = paged_prefill_batch(num_seqs, num_new, num_cached)
     fn = lambda: prefill_attention(q, k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table,
-                                   max_seqlen_q=num_new, max_seqlen_k=seq_k, **tiles)
+                                   max_seqlen_q=num_new, max_seqlen_k=num_cached + num_new, **tiles)
     return fn, num_seqs * causal_pairs(num_new, num_cached)
 
 
