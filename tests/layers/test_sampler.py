@@ -219,6 +219,7 @@ def test_allowed_tokens_then_logit_bias_come_before_penalties_and_log_probs_stay
     penalties (a penalty sees the biased logit, as in vLLM's sampler) and log-probs are of the raw logits."""
     torch.manual_seed(9)
     logits = torch.randn(3, 200, device=DEVICE) * 2
+    logits[0, [3, 7, 11]] = 0.5             # equally likely once allowed: a dozen draws reach all three
     raw = logits.clone()
     low = int(logits[1].argmin())
     allowed = (torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE),
@@ -233,7 +234,7 @@ def test_allowed_tokens_then_logit_bias_come_before_penalties_and_log_probs_stay
     penalties.output_counts[0, low] = 1     # the bias (+60) then the repetition penalty (halves it): still first
     sampler = Sampler(PATHS[path])
     drawn = set()
-    for seed in range(40):
+    for seed in range(12):
         t = tensors_for(3, temperature=1.5, top_k=150, keys=torch.full((3,), seed, device=DEVICE),
                         allowed=allowed, bias=bias, penalties=penalties, max_logprobs=2)
         t.temperatures[1] = 0.0
