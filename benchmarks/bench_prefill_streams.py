@@ -10,6 +10,10 @@ A prefill chunk of the bf16 prefill-heavy workload is ~84% cuBLAS GEMMs near the
 half's GEMMs hold the tensor cores, the chunk is shorter than its kernels' sum; if the GEMMs take every SM
 (one CTA an SM, all its registers) the two halves only take turns. The halves are independent (different
 sequences), so the engine could launch them so without changing any result. Times in ms per chunk, two runs.
+
+Measured (one H100, 2026-12-07, docs/benchmarks.md's thirty-fifth session): the GEMMs leave no room. Two streams
+ran no faster than the halves one after the other (8 x 2000: 125-127 ms either way against 120.5-121.4 for the
+whole chunk; 16 x 1024 and 29 x 560 within 1% of the whole chunk in every variant), so the engine keeps one.
 """
 import argparse
 
