@@ -1,0 +1,156 @@
+"""Decode GEMM benchmark: the engine's bf16 projection (nanovllm.layers.quantization.unquantized.dense_linear:
+cuBLASLt's first heuristic choice at 17-384 rows, cuBLAS elsewhere) against every algorithm cuBLASLt's heuristic
+lists for the same problem, each run through cuBLASLt directly (ctypes on torch's own libcublasLt) inside a CUDA
+graph, at Qwen3-8B's projections and the LM head.
+
+    PYTHONPATH=. python benchmarks/bench_cublaslt_algos.py [--rows 32,64,128,192,256] [--algos 32]
+
+Issue #38's bf16 standard row spends ~60% of a decode step in these GEMMs at ~83% of the weight-read floor, in
+both engines (docs/benchmarks.md). Torch takes cuBLASLt's first heuristic answer; the heuristic ranks by a model,
+not by a run, and lists others. If one of them is several percent faster at these rows, the engine could pin it
+per (rows, N, K) from a table measured at warm-up, as its decode graphs would replay it. Each algorithm's output
+is checked against torch's before it is timed; one that fails or errs is reported, not timed. The weights cycle
+through copies larger than the L2 cache, as a decode step reads each once.
+
+Status: written on the CPU machine after the thirty-fifth session's device time ran out (the struct sizes and the
+cublasLt.h enum values checked there; nothing run yet on a GPU).
+"""
+import argparse
+import ctypes
+import glob
+import os
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_moe import time_us   # CUDA events around rounds of the calls
+from nanovllm.layers.quantization.unquantized import dense_linear
+
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 4096, 12288, 6144, 151936        # Qwen3-8B
+SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+          "down": (HIDDEN, INTERMEDIATE), "lm_head": (VOCAB, HIDDEN)}
+L2_BYTES = 50 << 20
+WORKSPACE_BYTES = 32 << 20
+
+# cublasLt.h / library_types.h values
+CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE_BYTES = 3, 4, 1
+
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def load_cublaslt() -> ctypes.CDLL:
+    """The libcublasLt torch loaded (after one bf16 GEMM), else the first one found beside torch's packages."""
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
+    (a @ a).sum().item()
+    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Default)
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "libcublasLt.so" in line})
+    candidates = loaded or sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "**",
+                                                         "libcublasLt.so*"), recursive=True))
+    assert candidates, "no libcublasLt found"
+    return ctypes.CDLL(candidates[0])
+
+
+class LtGemm:
+    """y[M, N] = x[M, K] @ w[N, K]^T in bf16 (float32 accumulation), as column-major D[N, M] = w^T' x: the
+    layout torch's F.linear hands cuBLASLt (A = w transposed, B = x as it is)."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: ctypes.c_void_p, rows: int, n: int, k: int):
+        self.lib, self.handle, self.rows, self.n, self.k = lib, handle, rows, n, k
+        self.desc, self.a, self.b, self.d, self.pref = (ctypes.c_void_p() for _ in range(5))
+        check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F))
+        for attribute, op in ((DESC_TRANSA, CUBLAS_OP_T), (DESC_TRANSB, CUBLAS_OP_N)):
+            value = ctypes.c_int(op)
+            check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), ctypes.c_size_t(4)))
+        for layout, (r, c) in ((self.a, (k, n)), (self.b, (k, rows)), (self.d, (n, rows))):
+            check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_R_16BF, ctypes.c_uint64(r),
+                                                 ctypes.c_uint64(c), ctypes.c_int64(r)))
+        check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)))
+        workspace = ctypes.c_uint64(WORKSPACE_BYTES)
+        check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(workspace),
+                                                       ctypes.c_size_t(8)))
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+
+    def algorithms(self, count: int) -> list[HeuristicResult]:
+        results, returned = (HeuristicResult * count)(), ctypes.c_int(0)
+        check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.a, self.b, self.d, self.d,
+                                                      self.pref, count, results, ctypes.byref(returned)))
+        return [results[i] for i in range(returned.value) if results[i].state == 0]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: HeuristicResult) -> int:
+        return self.lib.cublasLtMatmul(
+            self.handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(w.data_ptr()), self.a,
+            ctypes.c_void_p(x.data_ptr()), self.b, ctypes.byref(self.beta), ctypes.c_void_p(out.data_ptr()), self.d,
+            ctypes.c_void_p(out.data_ptr()), self.d, ctypes.byref(algo.algo),
+            ctypes.c_void_p(self.workspace.data_ptr()), ctypes.c_size_t(WORKSPACE_BYTES),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+
+
+def check(status: int) -> None:
+    assert status == 0, f"cuBLASLt status {status}"
+
+
+def measure(lib, handle, name: str, rows: int, num_algos: int) -> dict:
+    n, k = SHAPES[name]
+    copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))          # together at least twice the L2 cache
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x, weights[0]).float()
+    engine_us = time_us([lambda w=w: dense_linear(x, w, None) for w in weights], graph=True, iters=20)
+    gemm = LtGemm(lib, handle, rows, n, k)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    timed, failed = [], 0
+    for index, algo in enumerate(gemm.algorithms(num_algos)):
+        out.zero_()
+        if gemm(x, weights[0], out, algo) != 0:
+            failed += 1
+            continue
+        torch.cuda.synchronize()
+        if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
+            failed += 1
+            continue
+        us = time_us([lambda w=w, a=algo: gemm(x, w, out, a) for w in weights], graph=True, iters=20)
+        timed.append((us, index, algo.waves_count))
+    best_us, best_index, waves = min(timed)
+    first_us = timed[0][0] if timed[0][1] == 0 else float("nan")     # the heuristic's own choice
+    floor_us = n * k * 2 / 3.0e12 * 1e6           # the weights once at ~3.0 TB/s (the copy rate measured)
+    return dict(shape=name, rows=rows, engine_us=engine_us, first_us=first_us, best_us=best_us,
+                best_index=best_index, waves=waves, algos=len(timed), failed=failed, floor_us=floor_us)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="32,64,128,192,256")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--algos", type=int, default=32, help="how many of the heuristic's algorithms to time")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "a GPU benchmark"
+    torch.manual_seed(0)
+    lib = load_cublaslt()
+    for fn in ("cublasLtMatmul", "cublasLtMatmulAlgoGetHeuristic"):
+        getattr(lib, fn).restype = ctypes.c_int
+    handle = ctypes.c_void_p()
+    check(lib.cublasLtCreate(ctypes.byref(handle)))
+    print(f"{'shape':8s} {'rows':>5s} {'engine us':>10s} {'lt first':>9s} {'lt best':>9s} {'best/engine':>11s} "
+          f"{'index':>5s} {'waves':>6s} {'algos':>5s} {'failed':>6s} {'engine % floor':>14s}", flush=True)
+    for name in args.shapes.split(","):
+        for rows in map(int, args.rows.split(",")):
+            r = measure(lib, handle, name, rows, args.algos)
+            print(f"{r['shape']:8s} {r['rows']:5d} {r['engine_us']:10.1f} {r['first_us']:9.1f} {r['best_us']:9.1f} "
+                  f"{r['best_us'] / r['engine_us']:11.3f} {r['best_index']:5d} {r['waves']:6.2f} {r['algos']:5d} "
+                  f"{r['failed']:6d} {100 * r['floor_us'] / r['engine_us']:13.0f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
