@@ -4,6 +4,7 @@ lists for the same problem, each run through cuBLASLt directly (ctypes on torch'
 graph, at Qwen3-8B's projections and the LM head.
 
     PYTHONPATH=. python benchmarks/bench_cublaslt_algos.py [--rows 32,64,128,192,256] [--algos 32]
+    PYTHONPATH=. python benchmarks/bench_cublaslt_algos.py --rows 16384 --shapes qkv,o,gate_up,down  # prefill
 
 Issue #38's bf16 standard row spends ~60% of a decode step in these GEMMs at ~83% of the weight-read floor, in
 both engines (docs/benchmarks.md). Torch takes cuBLASLt's first heuristic answer; the heuristic ranks by a model,
@@ -123,8 +124,8 @@ def measure(lib, handle, name: str, rows: int, num_algos: int) -> dict:
             continue
         us = time_us([lambda w=w, a=algo: gemm(x, w, out, a) for w in weights], graph=True, iters=20)
         timed.append((us, index, algo.waves_count))
-    best_us, best_index, waves = min(timed)
-    first_us = timed[0][0] if timed[0][1] == 0 else float("nan")     # the heuristic's own choice
+    best_us, best_index, waves = min(timed, default=(float("nan"), -1, float("nan")))
+    first_us = timed[0][0] if timed and timed[0][1] == 0 else float("nan")     # the heuristic's own choice
     floor_us = n * k * 2 / 3.0e12 * 1e6           # the weights once at ~3.0 TB/s (the copy rate measured)
     return dict(shape=name, rows=rows, engine_us=engine_us, first_us=first_us, best_us=best_us,
                 best_index=best_index, waves=waves, algos=len(timed), failed=failed, floor_us=floor_us)
@@ -144,13 +145,16 @@ def main() -> None:
     handle = ctypes.c_void_p()
     check(lib.cublasLtCreate(ctypes.byref(handle)))
     print(f"{'shape':8s} {'rows':>5s} {'engine us':>10s} {'lt first':>9s} {'lt best':>9s} {'best/engine':>11s} "
-          f"{'index':>5s} {'waves':>6s} {'algos':>5s} {'failed':>6s} {'engine % floor':>14s}", flush=True)
+          f"{'index':>5s} {'waves':>6s} {'algos':>5s} {'failed':>6s} {'engine % floor':>14s} {'TFLOP/s':>8s}",
+          flush=True)
     for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         for rows in map(int, args.rows.split(",")):
             r = measure(lib, handle, name, rows, args.algos)
             print(f"{r['shape']:8s} {r['rows']:5d} {r['engine_us']:10.1f} {r['first_us']:9.1f} {r['best_us']:9.1f} "
                   f"{r['best_us'] / r['engine_us']:11.3f} {r['best_index']:5d} {r['waves']:6.2f} {r['algos']:5d} "
-                  f"{r['failed']:6d} {100 * r['floor_us'] / r['engine_us']:13.0f}%", flush=True)
+                  f"{r['failed']:6d} {100 * r['floor_us'] / r['engine_us']:13.0f}% "
+                  f"{2 * rows * n * k / r['engine_us'] / 1e6:8.1f}", flush=True)
 
 
 if __name__ == "__main__":
