@@ -5,6 +5,11 @@ graph, at Qwen3-8B's projections and the LM head.
 
     PYTHONPATH=. python benchmarks/bench_cublaslt_algos.py [--rows 32,64,128,192,256] [--algos 32]
     PYTHONPATH=. python benchmarks/bench_cublaslt_algos.py --rows 16384 --shapes qkv,o,gate_up,down  # prefill
+    PYTHONPATH=. python benchmarks/bench_cublaslt_algos.py --fp8   # e4m3 operands, scales left to the reader
+
+With --fp8 the problem is the engine's deferred-scale FP8 product (fp8_gemm.unscaled_matmul: e4m3 activations and
+weights, unit scales, fast accumulation, bf16 out; the row and column scales applied by the norm or SiLU after
+it), and "engine us" is its whole routing for the rows (fp8_gemm.fp8_matmul, scales included).
 
 Issue #38's bf16 standard row spends ~60% of a decode step in these GEMMs at ~83% of the weight-read floor, in
 both engines (docs/benchmarks.md). Torch takes cuBLASLt's first heuristic answer; the heuristic ranks by a model,
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_moe import time_us   # CUDA events around rounds of the calls
+from nanovllm.kernels import fp8_gemm
 from nanovllm.layers.quantization.unquantized import dense_linear
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 4096, 12288, 6144, 151936        # Qwen3-8B
@@ -34,9 +40,9 @@ L2_BYTES = 50 << 20
 WORKSPACE_BYTES = 32 << 20
 
 # cublasLt.h / library_types.h values
-CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
+CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUBLAS_COMPUTE_32F = 0, 14, 28, 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE_BYTES = 3, 4, 1
+DESC_TRANSA, DESC_TRANSB, DESC_FAST_ACCUM, PREF_MAX_WORKSPACE_BYTES = 3, 4, 25, 1
 
 
 class Algo(ctypes.Structure):
@@ -64,18 +70,25 @@ def load_cublaslt() -> ctypes.CDLL:
 
 
 class LtGemm:
-    """y[M, N] = x[M, K] @ w[N, K]^T in bf16 (float32 accumulation), as column-major D[N, M] = w^T' x: the
-    layout torch's F.linear hands cuBLASLt (A = w transposed, B = x as it is)."""
+    """y[M, N] = x[M, K] @ w[N, K]^T, bf16 out (float32 accumulation), as column-major D[N, M] = w^T' x: the
+    layout torch's F.linear hands cuBLASLt (A = w transposed, B = x as it is). fp8: x and w e4m3, unit scales,
+    fast accumulation (as torch._scaled_mm with use_fast_accum)."""
 
-    def __init__(self, lib: ctypes.CDLL, handle: ctypes.c_void_p, rows: int, n: int, k: int):
+    def __init__(self, lib: ctypes.CDLL, handle: ctypes.c_void_p, rows: int, n: int, k: int, fp8: bool = False):
         self.lib, self.handle, self.rows, self.n, self.k = lib, handle, rows, n, k
         self.desc, self.a, self.b, self.d, self.pref = (ctypes.c_void_p() for _ in range(5))
         check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F))
         for attribute, op in ((DESC_TRANSA, CUBLAS_OP_T), (DESC_TRANSB, CUBLAS_OP_N)):
             value = ctypes.c_int(op)
             check(lib.cublasLtMatmulDescSetAttribute(self.desc, attribute, ctypes.byref(value), ctypes.c_size_t(4)))
-        for layout, (r, c) in ((self.a, (k, n)), (self.b, (k, rows)), (self.d, (n, rows))):
-            check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_R_16BF, ctypes.c_uint64(r),
+        if fp8:
+            fast = ctypes.c_int8(int(fp8_gemm.SCALED_MM_FAST_ACCUM))
+            check(lib.cublasLtMatmulDescSetAttribute(self.desc, DESC_FAST_ACCUM, ctypes.byref(fast),
+                                                     ctypes.c_size_t(1)))
+        operand_type = CUDA_R_8F_E4M3 if fp8 else CUDA_R_16BF
+        for layout, (r, c), kind in ((self.a, (k, n), operand_type), (self.b, (k, rows), operand_type),
+                                     (self.d, (n, rows), CUDA_R_16BF)):
+            check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), kind, ctypes.c_uint64(r),
                                                  ctypes.c_uint64(c), ctypes.c_int64(r)))
         check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)))
         workspace = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -103,14 +116,23 @@ def check(status: int) -> None:
     assert status == 0, f"cuBLASLt status {status}"
 
 
-def measure(lib, handle, name: str, rows: int, num_algos: int) -> dict:
+def measure(lib, handle, name: str, rows: int, num_algos: int, fp8: bool = False) -> dict:
     n, k = SHAPES[name]
-    copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))          # together at least twice the L2 cache
+    width = 1 if fp8 else 2
+    copies = max(2, -(-2 * L2_BYTES // (n * k * width)))          # together at least twice the L2 cache
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    want = F.linear(x, weights[0]).float()
-    engine_us = time_us([lambda w=w: dense_linear(x, w, None) for w in weights], graph=True, iters=20)
-    gemm = LtGemm(lib, handle, rows, n, k)
+    if fp8:
+        x, x_scale = fp8_gemm.quantize_activations(x)
+        quantized = [fp8_gemm.quantize_activations(w) for w in weights]
+        weights = [q for q, _ in quantized]
+        want = fp8_gemm.unscaled_matmul(x, weights[0], torch.bfloat16).float()
+        engine_us = time_us([lambda w=w, s=s: fp8_gemm.fp8_matmul(x, x_scale, w, s, False, torch.bfloat16)
+                             for w, s in quantized], graph=True, iters=20)
+    else:
+        want = F.linear(x, weights[0]).float()
+        engine_us = time_us([lambda w=w: dense_linear(x, w, None) for w in weights], graph=True, iters=20)
+    gemm = LtGemm(lib, handle, rows, n, k, fp8)
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     timed, failed = [], 0
     for index, algo in enumerate(gemm.algorithms(num_algos)):
@@ -126,7 +148,7 @@ def measure(lib, handle, name: str, rows: int, num_algos: int) -> dict:
         timed.append((us, index, algo.waves_count))
     best_us, best_index, waves = min(timed, default=(float("nan"), -1, float("nan")))
     first_us = timed[0][0] if timed and timed[0][1] == 0 else float("nan")     # the heuristic's own choice
-    floor_us = n * k * 2 / 3.0e12 * 1e6           # the weights once at ~3.0 TB/s (the copy rate measured)
+    floor_us = n * k * width / 3.0e12 * 1e6       # the weights once at ~3.0 TB/s (the copy rate measured)
     return dict(shape=name, rows=rows, engine_us=engine_us, first_us=first_us, best_us=best_us,
                 best_index=best_index, waves=waves, algos=len(timed), failed=failed, floor_us=floor_us)
 
@@ -136,6 +158,7 @@ def main() -> None:
     parser.add_argument("--rows", default="32,64,128,192,256")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--algos", type=int, default=32, help="how many of the heuristic's algorithms to time")
+    parser.add_argument("--fp8", action="store_true", help="the deferred-scale FP8 product (e4m3 operands)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
     torch.manual_seed(0)
@@ -150,7 +173,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         for rows in map(int, args.rows.split(",")):
-            r = measure(lib, handle, name, rows, args.algos)
+            r = measure(lib, handle, name, rows, args.algos, args.fp8)
             print(f"{r['shape']:8s} {r['rows']:5d} {r['engine_us']:10.1f} {r['first_us']:9.1f} {r['best_us']:9.1f} "
                   f"{r['best_us'] / r['engine_us']:11.3f} {r['best_index']:5d} {r['waves']:6.2f} {r['algos']:5d} "
                   f"{r['failed']:6d} {100 * r['floor_us'] / r['engine_us']:13.0f}% "
