@@ -87,6 +87,7 @@ def _norm_gemv_kernel(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, b_ptr, 
     y = tl.sum(acc, axis=1)
     if B_SCALED:
         y = y * tl.load(b_scale_ptr + cols)
+    # the parts meet as in _gemv_kernel (a copy while this is a prototype: in the engine the two would share it)
     mask = offs_n < N
     if num_splits > 1:
         tl.store(partial_ptr + pid_k * N + offs_n, y, mask=mask)
