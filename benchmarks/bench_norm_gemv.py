@@ -54,7 +54,7 @@ def _norm_gemv_kernel(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, b_ptr, 
                       counter_ptr, N, K, k_per_split, stride_b, eps, B_SCALED: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """c [1, N] = (rms_norm(x + residual) * norm_w) @ b [N, K]^T, K split over programs as in skinny_gemm's
-    _gemv_kernel (whose reduce this repeats); residual_out = x + residual, written by program (0, 0)."""
+    _gemv_kernel, its parts met by the same gemv_store; residual_out = x + residual, written by program (0, 0)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -87,20 +87,8 @@ def _norm_gemv_kernel(x_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, b_ptr, 
     y = tl.sum(acc, axis=1)
     if B_SCALED:
         y = y * tl.load(b_scale_ptr + cols)
-    # the parts meet as in _gemv_kernel (a copy while this is a prototype: in the engine the two would share it)
-    mask = offs_n < N
-    if num_splits > 1:
-        tl.store(partial_ptr + pid_k * N + offs_n, y, mask=mask)
-        counter = counter_ptr + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")     # releases the part stored above
-        if arrived == num_splits - 1:
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for part_index in range(0, num_splits):
-                y += tl.load(partial_ptr + part_index * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.store(counter, 0)        # ready for the next call (and graph replay)
-    else:
-        tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=mask)
+    skinny_gemm.gemv_store(y, offs_n, cols, N, pid_n, pid_k, num_splits, c_ptr, partial_ptr, counter_ptr, c_ptr,
+                           False, BLOCK_N)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, b: torch.Tensor,
