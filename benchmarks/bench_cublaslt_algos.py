@@ -55,12 +55,10 @@ class HeuristicResult(ctypes.Structure):
 
 
 def load_cublaslt() -> ctypes.CDLL:
-    """The libcublasLt torch loaded (after one bf16 GEMM), else the first one found beside torch's packages."""
-    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
-    previous = torch._C._get_blas_preferred_backend()
-    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
-    (a @ a).sum().item()
-    torch._C._set_blas_preferred_backend(previous)
+    """The libcublasLt torch loaded (after a GEMM of dense_linear's cuBLASLt rows), else the first one found beside
+    torch's packages."""
+    a = torch.ones(32, 64, device="cuda", dtype=torch.bfloat16)
+    dense_linear(a, a[:16], None).sum().item()
     with open("/proc/self/maps") as maps:
         loaded = sorted({line.split()[-1] for line in maps if "libcublasLt.so" in line})
     candidates = loaded or sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "**",
