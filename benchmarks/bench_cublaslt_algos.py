@@ -43,6 +43,7 @@ WORKSPACE_BYTES = 32 << 20
 CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUBLAS_COMPUTE_32F = 0, 14, 28, 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_FAST_ACCUM, PREF_MAX_WORKSPACE_BYTES = 3, 4, 25, 1
+ALGO_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "swizzle": 4, "stages": 6, "cluster": 8}    # cublasLtMatmulAlgoConfigAttributes_t
 
 
 class Algo(ctypes.Structure):
@@ -114,6 +115,50 @@ def check(status: int) -> None:
     assert status == 0, f"cuBLASLt status {status}"
 
 
+def describe(lib: ctypes.CDLL, result: HeuristicResult) -> str:
+    """An algorithm's configuration as cuBLASLt reports it (its id, tile and stage enums, split-K, CTA swizzle,
+    cluster shape enum)."""
+    fields = []
+    for name, attribute in ALGO_CONFIG.items():
+        size, value = ctypes.c_size_t(0), ctypes.c_uint64(0)
+        lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(result.algo), attribute, None, ctypes.c_size_t(0),
+                                                 ctypes.byref(size))
+        check(lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(result.algo), attribute, ctypes.byref(value),
+                                                       size, ctypes.byref(size)))
+        fields.append(f"{name}={value.value}")
+    return " ".join(fields)
+
+
+def measure_pinned(lib, handle, name: str, pin_rows: int, rows_list: list[int], num_algos: int) -> None:
+    """The algorithms cuBLASLt's heuristic lists at pin_rows, each run at every row count in rows_list (as an
+    engine that pins one algorithm per (N, K) for every large batch would run it), against the engine's own
+    GEMM, bf16. Prints one line per row count: engine us twice (the noise), then each algorithm's us."""
+    n, k = SHAPES[name]
+    copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    algos = LtGemm(lib, handle, pin_rows, n, k).algorithms(num_algos)
+    for index, algo in enumerate(algos):
+        print(f"  {name} algo {index} (listed at {pin_rows} rows): {describe(lib, algo)}", flush=True)
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        want = F.linear(x, weights[0]).float()
+        engine = [time_us([lambda w=w: dense_linear(x, w, None) for w in weights], graph=True, iters=10)
+                  for _ in range(2)]
+        gemm, out = LtGemm(lib, handle, rows, n, k), torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        cells = []
+        for index, algo in enumerate(algos):
+            if gemm(x, weights[0], out, algo) != 0:
+                cells.append(f"{index}:err")
+                continue
+            torch.cuda.synchronize()
+            if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
+                cells.append(f"{index}:wrong")
+                continue
+            us = time_us([lambda w=w, a=algo: gemm(x, w, out, a) for w in weights], graph=True, iters=10)
+            cells.append(f"{index}:{us:.1f}")
+        print(f"{name:8s} {rows:6d} engine {engine[0]:8.1f} {engine[1]:8.1f} | " + " ".join(cells), flush=True)
+
+
 def measure(lib, handle, name: str, rows: int, num_algos: int, fp8: bool = False) -> dict:
     n, k = SHAPES[name]
     width = 1 if fp8 else 2
@@ -157,14 +202,20 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--algos", type=int, default=32, help="how many of the heuristic's algorithms to time")
     parser.add_argument("--fp8", action="store_true", help="the deferred-scale FP8 product (e4m3 operands)")
+    parser.add_argument("--pin", type=int, default=0, help="run the algorithms listed at this many rows at every "
+                        "--rows count (bf16)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
     torch.manual_seed(0)
     lib = load_cublaslt()
-    for fn in ("cublasLtMatmul", "cublasLtMatmulAlgoGetHeuristic"):
+    for fn in ("cublasLtMatmul", "cublasLtMatmulAlgoGetHeuristic", "cublasLtMatmulAlgoConfigGetAttribute"):
         getattr(lib, fn).restype = ctypes.c_int
     handle = ctypes.c_void_p()
     check(lib.cublasLtCreate(ctypes.byref(handle)))
+    if args.pin:
+        for name in args.shapes.split(","):
+            measure_pinned(lib, handle, name, args.pin, [int(r) for r in args.rows.split(",")], args.algos)
+        return
     print(f"{'shape':8s} {'rows':>5s} {'engine us':>10s} {'lt first':>9s} {'lt best':>9s} {'best/engine':>11s} "
           f"{'index':>5s} {'waves':>6s} {'algos':>5s} {'failed':>6s} {'engine % floor':>14s} {'TFLOP/s':>8s}",
           flush=True)
