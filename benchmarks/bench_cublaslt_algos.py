@@ -18,8 +18,11 @@ per (rows, N, K) from a table measured at warm-up, as its decode graphs would re
 is checked against torch's before it is timed; one that fails or errs is reported, not timed. The weights cycle
 through copies larger than the L2 cache, as a decode step reads each once.
 
-Status: written on the CPU machine after the thirty-fifth session's device time ran out (the struct sizes and the
-cublasLt.h enum values checked there; nothing run yet on a GPU).
+Status (thirty-sixth session, one H100; docs/benchmarks.md): the best listed algorithm, shape by shape, takes
+1.7-3.6% less than the engine's GEMMs at 32-256 rows (a Qwen3-8B layer's four projections: 146.6-174.0 us
+against 149.8-177.6), ~1-2% of a decode step; at prefill rows (--pin 16384 across 1,024-16,384 rows) no algorithm
+wins at every row count, and two timings of the engine's own call differ by up to 15% at 12,000-16,000 rows (the
+power-limited clock). Nothing pinned in the engine.
 """
 import argparse
 import ctypes
