@@ -17,9 +17,11 @@ clock and board power sampled by nvidia-smi meanwhile.
     PYTHONPATH=. python benchmarks/bench_gemm_operands.py --dry      # CPU: the operands' statistics only
 """
 import argparse
+import shutil
 import subprocess
 import threading
 import time
+from datetime import datetime
 
 import torch
 import torch.nn.functional as F
@@ -46,23 +48,27 @@ def operands(kind: str, rows: int, n: int, k: int, device: str, generator: torch
 
 
 class PowerSampler:
-    """nvidia-smi's SM clock (MHz) and board power (W) every 50 ms, kept with the host's monotonic time."""
+    """nvidia-smi's SM clock (MHz) and board power (W) every 50 ms, each sample stamped by nvidia-smi itself (its
+    output may reach the pipe in bursts), line-buffered where stdbuf exists."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float, float]] = []
-        self.process = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        command = ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                   "-lms", "50"]
+        if shutil.which("stdbuf"):
+            command = ["stdbuf", "-oL"] + command
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
             try:
-                clock, power = (float(v) for v in line.split(","))
+                stamp, clock, power = (v.strip() for v in line.split(","))
+                when = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.samples.append((when, float(clock), float(power)))
             except ValueError:
                 continue
-            self.samples.append((time.monotonic(), clock, power))
 
     def mean(self, start: float, end: float) -> tuple[float, float]:
         window = [(c, p) for t, c, p in self.samples if start <= t <= end]
@@ -71,11 +77,14 @@ class PowerSampler:
         return sum(c for c, _ in window) / len(window), sum(p for _, p in window) / len(window)
 
     def close(self) -> None:
+        time.sleep(0.5)                 # the last window's samples through the pipe
         self.process.terminate()
+        self.thread.join(timeout=2)
 
 
 def time_window(x: torch.Tensor, weights: list[torch.Tensor], seconds: float) -> tuple[float, float, float]:
-    """us a call over ~`seconds` of back-to-back F.linear calls, and the window's host start and end."""
+    """us a call over ~`seconds` of back-to-back F.linear calls, and the window's start and end (wall clock, as
+    nvidia-smi stamps its samples)."""
     F.linear(x, weights[0])
     torch.cuda.synchronize()
     probe_start = time.perf_counter()
@@ -85,13 +94,13 @@ def time_window(x: torch.Tensor, weights: list[torch.Tensor], seconds: float) ->
     per_round = (time.perf_counter() - probe_start) / len(weights)
     calls = max(len(weights), int(seconds / max(per_round, 1e-6)))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host_start = time.monotonic()
+    host_start = time.time()
     start.record()
     for i in range(calls):
         F.linear(x, weights[i % len(weights)])
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls, host_start, time.monotonic()
+    return start.elapsed_time(end) * 1e3 / calls, host_start, time.time()
 
 
 def main() -> None:
@@ -99,7 +108,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--seconds", type=float, default=1.0, help="each window's length")
-    parser.add_argument("--dry", action="store_true", help="CPU: the operands' scale and sign bits, no timing")
+    parser.add_argument("--dry", action="store_true", help="CPU: the operands' scales, no timing")
     args = parser.parse_args()
     generator = torch.Generator("cpu" if args.dry else "cuda").manual_seed(0)
     if args.dry:
@@ -112,24 +121,25 @@ def main() -> None:
     assert torch.cuda.is_available(), "a GPU benchmark (--dry on the CPU)"
     sampler = PowerSampler()
     time.sleep(0.5)
-    print(f"{'shape':8s} {'rows':>6s} " + " ".join(f"{kind + ' us':>10s} {'MHz':>5s} {'W':>4s}" for kind in ORDER),
-          flush=True)
+    windows = []            # (shape, kind, us, start, end); the clock and power read after the last window
     try:
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
             made = {kind: operands(kind, args.rows, n, k, "cuda", generator) for kind in set(ORDER)}
-            cells = []
             for kind in ORDER:
                 x, w = made[kind]
-                us, start, end = time_window(x, [w, w.clone()], args.seconds)
-                clock, power = sampler.mean(start, end)
-                cells.append(f"{us:10.1f} {clock:5.0f} {power:4.0f}")
-            print(f"{name:8s} {args.rows:6d} " + " ".join(cells), flush=True)
+                windows.append((name, kind) + time_window(x, [w, w.clone()], args.seconds))
             del made
             torch.cuda.empty_cache()
     finally:
         sampler.close()
-
+    print(f"{'shape':8s} {'rows':>6s} " + " ".join(f"{kind + ' us':>10s} {'MHz':>5s} {'W':>4s}" for kind in ORDER))
+    for name in args.shapes.split(","):
+        cells = []
+        for _, _, us, start, end in (w for w in windows if w[0] == name):
+            clock, power = sampler.mean(start, end)
+            cells.append(f"{us:10.1f} {clock:5.0f} {power:4.0f}")
+        print(f"{name:8s} {args.rows:6d} " + " ".join(cells))
 
 if __name__ == "__main__":
     main()
