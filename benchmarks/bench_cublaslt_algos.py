@@ -132,6 +132,19 @@ def describe(lib: ctypes.CDLL, result: HeuristicResult) -> str:
     return " ".join(fields)
 
 
+def time_algorithm(gemm: "LtGemm", x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
+                   want: torch.Tensor, algo: HeuristicResult, iters: int) -> float | str:
+    """us a call of one algorithm over the weight copies in a CUDA graph, once its output is checked against
+    `want`; "err" where cuBLASLt refuses it, "wrong" where its output differs."""
+    out.zero_()
+    if gemm(x, weights[0], out, algo) != 0:
+        return "err"
+    torch.cuda.synchronize()
+    if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
+        return "wrong"
+    return time_us([lambda w=w: gemm(x, w, out, algo) for w in weights], graph=True, iters=iters)
+
+
 def measure_pinned(lib, handle, name: str, pin_rows: int, rows_list: list[int], num_algos: int) -> None:
     """The algorithms cuBLASLt's heuristic lists at pin_rows, each run at every row count in rows_list (as an
     engine that pins one algorithm per (N, K) for every large batch would run it), against the engine's own
@@ -148,17 +161,8 @@ def measure_pinned(lib, handle, name: str, pin_rows: int, rows_list: list[int], 
         engine = [time_us([lambda w=w: dense_linear(x, w, None) for w in weights], graph=True, iters=10)
                   for _ in range(2)]
         gemm, out = LtGemm(lib, handle, rows, n, k), torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-        cells = []
-        for index, algo in enumerate(algos):
-            if gemm(x, weights[0], out, algo) != 0:
-                cells.append(f"{index}:err")
-                continue
-            torch.cuda.synchronize()
-            if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
-                cells.append(f"{index}:wrong")
-                continue
-            us = time_us([lambda w=w, a=algo: gemm(x, w, out, a) for w in weights], graph=True, iters=10)
-            cells.append(f"{index}:{us:.1f}")
+        timed = [time_algorithm(gemm, x, weights, out, want, algo, iters=10) for algo in algos]
+        cells = [f"{index}:{us:.1f}" if isinstance(us, float) else f"{index}:{us}" for index, us in enumerate(timed)]
         print(f"{name:8s} {rows:6d} engine {engine[0]:8.1f} {engine[1]:8.1f} | " + " ".join(cells), flush=True)
 
 
@@ -182,16 +186,11 @@ def measure(lib, handle, name: str, rows: int, num_algos: int, fp8: bool = False
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     timed, failed = [], 0
     for index, algo in enumerate(gemm.algorithms(num_algos)):
-        out.zero_()
-        if gemm(x, weights[0], out, algo) != 0:
+        us = time_algorithm(gemm, x, weights, out, want, algo, iters=20)
+        if isinstance(us, float):
+            timed.append((us, index, algo.waves_count))
+        else:
             failed += 1
-            continue
-        torch.cuda.synchronize()
-        if not torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
-            failed += 1
-            continue
-        us = time_us([lambda w=w, a=algo: gemm(x, w, out, a) for w in weights], graph=True, iters=20)
-        timed.append((us, index, algo.waves_count))
     best_us, best_index, waves = min(timed, default=(float("nan"), -1, float("nan")))
     first_us = timed[0][0] if timed and timed[0][1] == 0 else float("nan")     # the heuristic's own choice
     floor_us = n * k * width / 3.0e12 * 1e6       # the weights once at ~3.0 TB/s (the copy rate measured)
