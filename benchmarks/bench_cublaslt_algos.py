@@ -19,7 +19,7 @@ is checked against torch's before it is timed; one that fails or errs is reporte
 through copies larger than the L2 cache, as a decode step reads each once.
 
 Status (thirty-sixth session, one H100; docs/benchmarks.md): the best listed algorithm, shape by shape, takes
-1.7-3.6% less than the engine's GEMMs at 32-256 rows (a Qwen3-8B layer's four projections: 146.6-174.0 us
+0.5-3.6% less than the engine's GEMMs at 32-256 rows (a Qwen3-8B layer's four projections: 146.6-174.0 us
 against 149.8-177.6), ~1-2% of a decode step; at prefill rows (--pin 16384 across 1,024-16,384 rows) no algorithm
 wins at every row count, and two timings of the engine's own call differ by up to 15% at 12,000-16,000 rows (the
 power-limited clock). Nothing pinned in the engine.
@@ -132,6 +132,13 @@ def describe(lib: ctypes.CDLL, result: HeuristicResult) -> str:
     return " ".join(fields)
 
 
+def weight_copies(n: int, k: int, width: int) -> list[torch.Tensor]:
+    """Copies of a random [n, k] bf16 weight that together, at `width` bytes a value, are at least twice the L2
+    cache: cycled through, each call reads its weight from memory as a decode step does."""
+    copies = max(2, -(-2 * L2_BYTES // (n * k * width)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
 def time_algorithm(gemm: "LtGemm", x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor,
                    want: torch.Tensor, algo: HeuristicResult, iters: int) -> float | str:
     """us a call of one algorithm over the weight copies in a CUDA graph, once its output is checked against
@@ -150,8 +157,7 @@ def measure_pinned(lib, handle, name: str, pin_rows: int, rows_list: list[int], 
     engine that pins one algorithm per (N, K) for every large batch would run it), against the engine's own
     GEMM, bf16. Prints one line per row count: engine us twice (the noise), then each algorithm's us."""
     n, k = SHAPES[name]
-    copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    weights = weight_copies(n, k, width=2)
     algos = LtGemm(lib, handle, pin_rows, n, k).algorithms(num_algos)
     for index, algo in enumerate(algos):
         print(f"  {name} algo {index} (listed at {pin_rows} rows): {describe(lib, algo)}", flush=True)
@@ -169,8 +175,7 @@ def measure_pinned(lib, handle, name: str, pin_rows: int, rows_list: list[int], 
 def measure(lib, handle, name: str, rows: int, num_algos: int, fp8: bool = False) -> dict:
     n, k = SHAPES[name]
     width = 1 if fp8 else 2
-    copies = max(2, -(-2 * L2_BYTES // (n * k * width)))          # together at least twice the L2 cache
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    weights = weight_copies(n, k, width)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     if fp8:
         x, x_scale = fp8_gemm.quantize_activations(x)
