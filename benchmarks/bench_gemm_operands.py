@@ -6,7 +6,8 @@ random weights: nanovllm matrices ~ N(0, 0.02) with norm weights one (nanovllm.u
 vLLM every parameter ~ U(-1e-3, 1e-3), norm weights included, so the activations its GEMMs read are a thousand
 times smaller as well. If that changes the clock, the prefill-heavy rows compare the operands as much as the
 engines, and a like-for-like run loads one checkpoint into both (the peer kit's MODEL=DIR; bench.py writes
-random-qwen3-8b with weights).
+random-qwen3-8b with weights). Measured (docs/benchmarks.md, thirty-seventh session): vLLM's operands 0.2-1.6% faster
+at 16,384 rows, zeros 17-19%; from one checkpoint in both engines the Qwen3-8B ratios are those of the dummy runs.
 
 This times cuBLAS (F.linear) on Qwen3-8B's four projections at prefill rows with each engine's operands and
 with zeros (the floor of toggling), each over about a second of back-to-back calls so the power limit's clock
