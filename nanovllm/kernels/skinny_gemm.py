@@ -200,15 +200,6 @@ def _gemv_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, partia
         y = y * tl.load(a_scale_ptr)
     if B_SCALED:
         y = y * tl.load(b_scale_ptr + cols)
-    gemv_store(y, offs_n, cols, N, pid_n, pid_k, num_splits, c_ptr, partial_ptr, counter_ptr, bias_ptr, HAS_BIAS,
-               BLOCK_N)
-
-
-@triton.jit
-def gemv_store(y, offs_n, cols, N, pid_n, pid_k, num_splits, c_ptr, partial_ptr, counter_ptr, bias_ptr,
-               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A GEMV program's float32 sums y for columns offs_n over its part pid_k of K: stored to c (plus the bias)
-    when K is not split; else kept in partial, and the tile's last part to arrive adds them all in order."""
     mask = offs_n < N
     if num_splits > 1:
         tl.store(partial_ptr + pid_k * N + offs_n, y, mask=mask)
