@@ -33,12 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_moe import time_us   # CUDA events around rounds of the calls
+from benchmarks.random_checkpoint import QWEN3_8B, projection_shapes
 from nanovllm.kernels import fp8_gemm
 from nanovllm.layers.quantization.unquantized import dense_linear
 
-HIDDEN, INTERMEDIATE, QKV, VOCAB = 4096, 12288, 6144, 151936        # Qwen3-8B
-SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
-          "down": (HIDDEN, INTERMEDIATE), "lm_head": (VOCAB, HIDDEN)}
+SHAPES = dict(projection_shapes(QWEN3_8B), lm_head=(QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"]))    # (N, K)
 L2_BYTES = 50 << 20
 WORKSPACE_BYTES = 32 << 20
 

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import measure_bandwidth  # noqa: E402  (the copy bandwidth bench.py's floor uses)
 from benchmarks.bench_moe import time_us  # noqa: E402  (the same CUDA-event timing, eager or one graph)
+from benchmarks.random_checkpoint import QWEN3_8B, projection_shapes  # noqa: E402
 from nanovllm.kernels import fp8_gemm  # noqa: E402
 from nanovllm.kernels.fp8_gemm import GemmConfig, SkinnyConfig  # noqa: E402
 from nanovllm.layers.quantization.fp8 import quantize_weight  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # (N, K)
+SHAPES = projection_shapes(QWEN3_8B)   # (N, K)
 TOKENS = (1, 16, 256, 4096, 16384)
 PATHS = ("bf16", "triton-channel", "scaled-mm", "unscaled", "triton-block", "chosen")
 SWEEP = [GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 32, 128, 4, 6), GemmConfig(16, 64, 128, 4, 4),

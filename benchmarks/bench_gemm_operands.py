@@ -27,9 +27,9 @@ from datetime import datetime
 import torch
 import torch.nn.functional as F
 
-HIDDEN, INTERMEDIATE, QKV = 4096, 12288, 6144          # Qwen3-8B
-SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
-          "down": (HIDDEN, INTERMEDIATE)}
+from benchmarks.random_checkpoint import QWEN3_8B, projection_shapes
+
+SHAPES = projection_shapes(QWEN3_8B)        # (N, K)
 ORDER = ("ours", "vllm", "zeros", "vllm", "ours")
 
 

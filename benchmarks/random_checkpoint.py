@@ -26,6 +26,16 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
                      num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=False)    # its MoE layers' experts: 128 x 3 x 2048 x 768 weights each
+
+def projection_shapes(shape: dict) -> dict[str, tuple[int, int]]:
+    """A dense Qwen3 shape's four projections of a layer as (N, K) of their [N, K] weights, q, k and v merged and
+    gate and up merged as the engine holds them."""
+    hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+
+
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 # a small default mixture for tests: 8 experts, each token's top 2

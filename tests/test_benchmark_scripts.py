@@ -41,3 +41,19 @@ def test_the_shared_prefix_benchmark_dry_runs_on_the_cpu():
     (result,) = module.main([])
     assert result["layout"] == "dry" and result["items"] == 2
     assert result["saved_fraction"] == round((2 * 256 + 512) / (300 + 290 + 280 + 600 + 610), 3)
+
+
+def test_projection_shapes_are_the_engines_own_weight_shapes():
+    """The GEMM benchmarks take a layer's (N, K) from benchmarks.random_checkpoint.projection_shapes: they are
+    the shapes of the weights the engine's Qwen3 layer holds (heads x head_dim unlike hidden, grouped kv heads)."""
+    from transformers import Qwen3Config
+
+    from benchmarks.random_checkpoint import projection_shapes
+    from nanovllm.distributed.group import TensorParallelGroup, building_with
+    from nanovllm.models.qwen3 import Qwen3ForCausalLM
+    shape = dict(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    with building_with(TensorParallelGroup()):
+        layer = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, num_hidden_layers=1, **shape)).model.layers[0]
+    weights = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+               "down": layer.mlp.down_proj}
+    assert projection_shapes(shape) == {name: tuple(module.weight.shape) for name, module in weights.items()}
