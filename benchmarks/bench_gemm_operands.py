@@ -142,5 +142,6 @@ def main() -> None:
             cells.append(f"{us:10.1f} {clock:5.0f} {power:4.0f}")
         print(f"{name:8s} {args.rows:6d} " + " ".join(cells))
 
+
 if __name__ == "__main__":
     main()

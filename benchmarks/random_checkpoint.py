@@ -27,6 +27,7 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=False)    # its MoE layers' experts: 128 x 3 x 2048 x 768 weights each
 
+
 def projection_shapes(shape: dict) -> dict[str, tuple[int, int]]:
     """A dense Qwen3 shape's four projections of a layer as (N, K) of their [N, K] weights, q, k and v merged and
     gate and up merged as the engine holds them."""
