@@ -25,3 +25,13 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         block = bm.blocks[block_id]
         assert block.hash == h and len(block.token_ids) == bm.block_size
         assert PENDING not in block.token_ids, "a block was hashed before its tokens were known"
+    for (h, next_token), block_id in bm.followed_to_block_id.items():
+        block = bm.blocks[block_id]
+        assert bm.reads_next_token and block.hash == h and block.next_token == next_token != -1
+    if bm.reads_next_token:     # a block's last position read the token after it in every holder
+        for seq in live:
+            known = seq.num_tokens - seq.num_pending_tokens
+            for i, block_id in enumerate(seq.block_table):
+                following, block = (i + 1) * bm.block_size, bm.blocks[block_id]
+                if block.next_token != -1 and following < known:
+                    assert block.next_token == seq[following], "a block shared past a token it did not read"

@@ -36,15 +36,18 @@ class Block:
         self.token_ids: list[int] = []
         self.probe: tuple | None = None     # its key in BlockManager.probes, while it is hashed
         self.step = -1                      # the scheduling step that hashed it
+        self.next_token = -1                # the token after it, once known (BlockManager.reads_next_token)
 
-    def update(self, hash: int, token_ids: list[int]) -> None:
+    def update(self, hash: int, token_ids: list[int], next_token: int = -1) -> None:
         self.hash = hash
         self.token_ids = token_ids
+        self.next_token = next_token
 
     def reset(self) -> None:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
+        self.next_token = -1
 
 
 class BlockManager:
@@ -59,13 +62,24 @@ class BlockManager:
     block, a copy of the cached one made before its step (`partial_hit`), and only the tokens after the
     shared ones to compute. Blocks are found for it by `probes`: the prefix hash before them and their first
     `min_partial` tokens, the least a partial hit is worth a block copy for.
+
+    `reads_next_token`: a drafter's K/V at a position also depend on the token after it (an EAGLE-3 head:
+    engine/eagle3_proposer.py), so a block's K/V at its last position depend on a token its hash does not
+    cover. A block then records that token (`next_token`) and is a full hit only where it matches; else
+    it is a partial hit of all but its last token (that position is computed again, into a copy), and a
+    partial hit stops a token earlier wherever the cached block's next token differs. Completions split
+    off a prompt each get a copy of the block holding its last token, full or not, to write their own.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 reads_next_token: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reads_next_token = reads_next_token
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
+        # reads_next_token: (hash, the token after the block) -> block id, beside the newest block of a hash
+        self.followed_to_block_id: dict[tuple[int, int], int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.min_partial = max(block_size // 8, 1) if block_size >= max(PARTIAL_HIT_MIN_PAGE, 2) else 0
@@ -117,15 +131,24 @@ class BlockManager:
             return [], None
         key = (seq.seq_id, seq.num_tokens, self._version, self.step)
         if self._last_lookup[0] != key:
-            hits, h = [], -1
+            hits, h, partial = [], -1, None
             for i in range((seq.num_tokens - 1) // self.block_size):
                 token_ids = seq.block(i)
                 h = self.compute_hash(token_ids, h)
                 block_id = self.hash_to_block_id.get(h, -1)
+                if self.reads_next_token:
+                    block_id = self.followed_to_block_id.get((h, seq[(i + 1) * self.block_size]), block_id)
                 if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                     break
+                block = self.blocks[block_id]
+                if self.reads_next_token and block.next_token != seq[(i + 1) * self.block_size]:
+                    # its last position read another token (or one not known yet): all but that position
+                    partial = (block_id, self.block_size - 1, block.step == self.step)
+                    break
                 hits.append(block_id)
-            self._last_lookup = (key, (hits, self._partial_after(seq, hits)))
+            if partial is None:
+                partial = self._partial_after(seq, hits)
+            self._last_lookup = (key, (hits, partial))
         return self._last_lookup[1]
 
     def _partial_after(self, seq: Sequence, hits: list[int]) -> tuple[int, int, bool] | None:
@@ -143,6 +166,11 @@ class BlockManager:
             written_now = block.step == self.step
             if best_key is None or (not written_now, shared) > best_key:
                 best, best_key = (block_id, shared, written_now), (not written_now, shared)
+        if best is not None and self.reads_next_token:
+            block_id, shared, written_now = best
+            if self.blocks[block_id].token_ids[shared] != seq[first + shared]:
+                shared -= 1             # the cached position shared - 1 read a token seq does not have
+            best = (block_id, shared, written_now) if shared >= max(self.min_partial, 1) else None
         return best
 
     def _forget(self, block: Block) -> None:
@@ -151,6 +179,8 @@ class BlockManager:
             self._version += 1
             if self.hash_to_block_id.get(block.hash) == block.block_id:
                 del self.hash_to_block_id[block.hash]
+            if self.followed_to_block_id.get((block.hash, block.next_token)) == block.block_id:
+                del self.followed_to_block_id[(block.hash, block.next_token)]
         if block.probe is not None:
             self.probes[block.probe].remove(block.block_id)
             if not self.probes[block.probe]:
@@ -215,7 +245,7 @@ class BlockManager:
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
             block = self.blocks[block_id]
             self._forget(block)
-            block.hash, block.token_ids = -1, []
+            block.update(-1, [])
 
     def _release(self, block_id: int) -> None:
         """One reference to the block fewer; the last one frees it (its hash stays: a later hit revives it)."""
@@ -263,18 +293,20 @@ class BlockManager:
 
     def num_forkable(self, seq: Sequence, wanted: int) -> int:
         """How many of `wanted` completions can be split off seq now: each needs a free block for its
-        copy of a partial last block; over whole blocks they need none."""
-        if seq.num_tokens % self.block_size == 0:
+        copy of a partial last block; over whole blocks they need none (unless reads_next_token)."""
+        if seq.num_tokens % self.block_size == 0 and not self.reads_next_token:
             return wanted
         return min(wanted, len(self.free_block_ids))
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """child shares parent's blocks (one more reference each), but a partial last block, which both
-        will write, becomes a fresh block; returns (parent's block, child's block) to copy, if any."""
+        will write, becomes a fresh block; returns (parent's block, child's block) to copy, if any. With
+        reads_next_token the last block is copied even when full: its last position reads the child's
+        own first token."""
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
-        if parent.num_tokens % self.block_size == 0:
+        if parent.num_tokens % self.block_size == 0 and not self.reads_next_token:
             return None
         last = child.block_table[-1]
         self.blocks[last].ref_count -= 1
@@ -312,19 +344,30 @@ class BlockManager:
             return
         if num_computed is None:
             num_computed = seq.num_cached_tokens
-        end = min(num_computed, seq.num_tokens - seq.num_pending_tokens) // self.block_size
+        num_known = seq.num_tokens - seq.num_pending_tokens
+        end = min(num_computed, num_known) // self.block_size
         start = end
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1
+        if self.reads_next_token and 0 < start < num_known / self.block_size:
+            # registered before the token after it was known (a prompt's last token was sampled since)
+            block = self.blocks[seq.block_table[start - 1]]
+            if block.next_token == -1:
+                block.next_token = seq[start * self.block_size]
+                self.followed_to_block_id[(block.hash, block.next_token)] = block.block_id
+                self._version += 1
         h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
         for i in range(start, end):
             token_ids = seq.block(i)
             prefix_hash, h = h, self.compute_hash(token_ids, h)
             block = self.blocks[seq.block_table[i]]
-            block.update(h, token_ids)
+            following = (i + 1) * self.block_size
+            block.update(h, token_ids, seq[following] if self.reads_next_token and following < num_known else -1)
             block.step = self.step
             duplicate = h in self.hash_to_block_id      # the same prefix in another block: a probe already
             self.hash_to_block_id[h] = block.block_id
+            if block.next_token != -1:
+                self.followed_to_block_id[(h, block.next_token)] = block.block_id
             self._version += 1
             if self.min_partial and not duplicate:
                 block.probe = (prefix_hash, *token_ids[:self.min_partial])

@@ -5,8 +5,8 @@ to k tokens a sequence, one forward pass a token.
 Its KV cache is a second paged cache indexed by the target's block ids: a token's draft K/V lie at the slot
 where its target K/V lie, so the BlockManager's block tables, prefix-cache hits, n > 1 block copies,
 preemption and lookahead reservations serve both caches at once. The draft computes its K/V in every prefill
-and plain decode step the target runs (ModelRunner.run calls `after_step` with that step's inputs and attention
-metadata), so it holds valid K/V wherever the target does but at one place: when a sequence's k drafts are all
+and plain decode step the target runs (ModelRunner.run calls `after_forward` and `after_sampling` with that
+step's inputs and attention metadata), so it holds valid K/V wherever the target does but at one place: when a sequence's k drafts are all
 accepted, the draft never computed the last draft's K/V. So each proposal starts one token back, at
 num_cached_tokens - 1 (its K/V rewritten with the same token), and computes up to the last token: usually two
 tokens. (A block published to the prefix cache in between keeps that one hole: it can only lower the draft's
@@ -99,6 +99,21 @@ class Drafter:
 
     to_target_ids = None            # a drafter with a vocabulary of its own maps its ids to the target's
 
+    # ---- after the target's prefill and plain decode steps (ModelRunner.run) -----------------------------------
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
+                      computed: list[Sequence], finished_seq_ids: list[int]):
+        """What the drafter keeps of a target step, taken under its attention metadata right after the
+        target's forward pass and before the scheduler counts the step as computed (a constrained step is
+        sampled later: the engine goes on meanwhile)."""
+        return input_ids, positions
+
+    def after_sampling(self, record, sampled: torch.Tensor) -> None:
+        """The drafter's K/V of the step's positions, under its attention metadata (the caller sets it again),
+        once the step's tokens (`sampled`, every row's) are known."""
+
+    def after_block_copies(self, record, sampled: torch.Tensor) -> None:
+        """After the step's block copies (n > 1), which carry the drafter's cache too: nothing to add."""
+
 
 class DraftModel(Drafter):
     """The draft model of one rank and its KV cache (see the module's docstring): its drafting writes the
@@ -134,11 +149,10 @@ class DraftModel(Drafter):
         return in_graph if in_graph is not None else self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
-                   computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
-        """The draft's K/V of the tokens a target step (prefill or decode) computed, under its attention
-        metadata (the caller sets it again)."""
-        self._forward(input_ids, positions, logits=False)
+    def after_sampling(self, record: tuple[torch.Tensor, torch.Tensor], sampled: torch.Tensor) -> None:
+        """The draft's K/V of the tokens a target step (prefill or decode) computed (record: its input ids and
+        positions), under its attention metadata (the caller sets it again)."""
+        self._forward(*record, logits=False)
 
     def after_verify(self, *args) -> None:
         """Nothing: the drafts' K/V were written as they were drafted."""

@@ -4,8 +4,8 @@ layer drafts nearly as the whole target would.
 
 The head's K/V at position p come from token p + 1 and the target's hidden state at p, so they can be written
 only once token p + 1 is known: after each target step samples. ModelRunner.run hands every prefill and decode
-step to `after_step` (the tokens each position was followed by: the prompt's next ones, and at the end the
-token just sampled), and ModelRunner.verify hands a verification to `after_verify` (each row followed by the
+step to `after_forward` (the tokens each position is followed by: the prompt's next ones, and at the end the
+token the step samples) and then, once sampled, to `after_sampling`, and ModelRunner.verify hands a verification to `after_verify` (each row followed by the
 token emitted there; rows past a rejection write K/V that later steps overwrite, as the target's). Either way
 the head's K/V are complete wherever the target's are, in a second paged cache under the target's block ids
 (as a draft model's: draft_model.py), and the head's output at each sequence's last computed position L - 2
@@ -13,13 +13,17 @@ the head's K/V are complete wherever the target's are, in a second paged cache u
 drafts token 1. Drafting token j + 1 then runs the head on draft j at position L + j - 2 (the last token's
 slot, then reserved ones) with the head's own previous output as the hidden state.
 
-Where it departs from EAGLE-3 (drafts and acceptance only; outputs keep their exact law): completions split
-off a prompt (n > 1) take their parent's output and K/V at the prompt's last position, read with the parent's
-first token; and a prefix-cache hit keeps the head's K/V at a block's last position as read with the token
-that followed the block when it was written (the block's hash does not cover that token).
+Two places where a token after a block matters: completions split off a prompt (n > 1) each read their own
+first token at the prompt's last position, so each gets a copy of the block holding it (BlockManager.fork) and
+the head computes that position again for each, into its copy, once the copies are made (`after_block_copies`);
+and a block's K/V at its last position read the token after the block, which its hash does not cover, so the
+BlockManager (`reads_next_token`) lets a prefix-cache hit share a block only where that token matches, and
+otherwise copies the block and has the step compute its last position again.
 
 A head with a vocabulary of its own (d2t) drafts in it; drafts and their laws q are mapped onto the target's
 vocabulary for the rejection sampler (draft_model.draw_drafts)."""
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import nn
@@ -34,6 +38,18 @@ from nanovllm.utils.context import get_context, reset_context
 from nanovllm.utils.transfer import to_device
 
 NEXT_SAMPLED = -1      # a position followed by the token its step samples
+
+
+class StepRecord(NamedTuple):
+    """What the head keeps of a target step until its tokens are sampled (Eagle3Proposer.after_forward)."""
+    positions: torch.Tensor
+    num_tokens: int
+    following: torch.Tensor | None      # each position's following token, NEXT_SAMPLED where sampled; None:
+    rows_of: torch.Tensor | None        # all sampled (a decode step); each position's row in the step's samples
+    ends: list[int]                     # the positions whose output drafts next, of these sequences:
+    owners: list[int]
+    # completions split off: (it, its sample's row, its parent's end row, the prompt's last position)
+    splits: list[tuple[Sequence, int, int, int]]
 
 
 class Eagle3Proposer(Drafter):
@@ -74,45 +90,66 @@ class Eagle3Proposer(Drafter):
                 self.free.append(row)
 
     # ---- after the target's steps ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def after_step(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
-                   computed: list[Sequence], sampled: torch.Tensor, finished_seq_ids: list[int]) -> None:
-        """The head's K/V of a prefill or decode step's positions (under its metadata), each read with the
-        token after it; the output at each sequence's last position kept (children split off a prompt in
-        this step take their parent's)."""
+    def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[Sequence],
+                      computed: list[Sequence], finished_seq_ids: list[int]) -> StepRecord:
+        """What the head needs of a prefill or decode step (taken under its metadata, before the scheduler
+        counts it computed): each position's following token (a decode's are all the tokens it samples), the
+        rows whose output each sequence keeps, and the completions split off a prompt in this step."""
         self._release(finished_seq_ids)
-        num_tokens = len(input_ids)
         if not get_context().is_prefill:            # decode: each position is followed by its sampled token
-            following, ends = sampled, list(range(len(seqs)))
-            owners = seqs
-        else:
-            index = {seq.seq_id: i for i, seq in enumerate(seqs)}
-            following, ends, owners, offset = [], [], [], 0
-            for seq in computed:
-                start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-                following.extend(seq[start + 1:end])
-                following.append(NEXT_SAMPLED if end == seq.num_tokens else seq[end])
-                offset += end - start
-                if end == seq.num_tokens:           # the prompt is done: its last output drafts next
-                    ends.append(offset - 1)
-                    owners.append(seq)
-            following = to_device(np.array(following, dtype=np.int64), self.device)
-            rows_of = to_device(np.repeat([index[s.seq_id] for s in computed],
-                                          [s.num_scheduled_tokens for s in computed]).astype(np.int64), self.device)
-            following = torch.where(following == NEXT_SAMPLED, sampled[rows_of], following)
-            # a completion split off a prompt in this step (n > 1) follows its parent in the batch (as its
-            # logits row does): it shares the parent's output
-            parent, ending = None, {seq.seq_id for seq in owners}
-            for seq in seqs:
-                if seq.num_scheduled_tokens:
-                    parent = seq
-                elif parent is not None and parent.seq_id in ending:
-                    ends.append(ends[owners.index(parent)])
-                    owners.append(seq)
-        _, before_norm = self.model(following, positions, self.aux.aux_hidden_states[:num_tokens], True)
-        if owners:
-            rows = self._rows_for([s.seq_id for s in owners])      # may grow the table: before indexing it
-            self.last[rows] = before_norm[to_device(np.array(ends, dtype=np.int64), self.device)]
+            return StepRecord(positions, len(input_ids), None, None, list(range(len(seqs))),
+                              [seq.seq_id for seq in seqs], [])
+        index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        following, ends, owners, offset = [], [], [], 0
+        for seq in computed:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            following.extend(seq[start + 1:end])
+            following.append(NEXT_SAMPLED if end == seq.num_tokens else seq[end])
+            offset += end - start
+            if end == seq.num_tokens:           # the prompt is done: its last output drafts next
+                ends.append(offset - 1)
+                owners.append(seq.seq_id)
+        following = to_device(np.array(following, dtype=np.int64), self.device)
+        rows_of = to_device(np.repeat([index[s.seq_id] for s in computed],
+                                      [s.num_scheduled_tokens for s in computed]).astype(np.int64), self.device)
+        # a completion split off a prompt in this step (n > 1) follows its parent in the batch (as its logits
+        # row does): its own first token follows the prompt's last position (after_block_copies)
+        splits, parent = [], None
+        for i, seq in enumerate(seqs):
+            if seq.num_scheduled_tokens:
+                parent = seq
+            elif parent is not None and parent.seq_id in owners:
+                splits.append((seq, i, ends[owners.index(parent.seq_id)], seq.num_tokens - 1))
+        return StepRecord(positions, len(input_ids), following, rows_of, ends, owners, splits)
+
+    @torch.inference_mode()
+    def after_sampling(self, record: StepRecord, sampled: torch.Tensor) -> None:
+        """The head's K/V of the step's positions (under its metadata), each read with the token after it;
+        the output at each sequence's last position kept."""
+        following = sampled if record.following is None else \
+            torch.where(record.following == NEXT_SAMPLED, sampled[record.rows_of], record.following)
+        _, before_norm = self.model(following, record.positions, self.aux.aux_hidden_states[:record.num_tokens],
+                                    True)
+        if record.owners:
+            rows = self._rows_for(record.owners)      # may grow the table: before indexing it
+            self.last[rows] = before_norm[to_device(np.array(record.ends, dtype=np.int64), self.device)]
+
+    @torch.inference_mode()
+    def after_block_copies(self, record: StepRecord, sampled: torch.Tensor) -> None:
+        """Completions split off a prompt, once each has its copy of the block holding the prompt's last
+        position (BlockManager.fork): the head at that position again, reading each one's own first token,
+        its K/V into the copy, its output kept."""
+        if not record.splits:
+            return
+        children, rows, parent_ends, last_positions = zip(*record.splits)
+        positions = prepare_segments(list(children), list(last_positions), [1] * len(children), self.block_size,
+                                     self.device)
+        index = lambda values: to_device(np.array(values, dtype=np.int64), self.device)     # noqa: E731
+        _, before_norm = self.model(sampled[index(rows)], positions, self.aux.aux_hidden_states[index(parent_ends)],
+                                    True)
+        reset_context()
+        rows = self._rows_for([child.seq_id for child in children])     # may grow the table: before indexing it
+        self.last[rows] = before_norm
 
     @torch.inference_mode()
     def after_verify(self, positions: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],

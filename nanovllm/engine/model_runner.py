@@ -168,7 +168,8 @@ class ModelRunner:
 
         A prefill may carry completions split off a prompt computed in this very step (n > 1): they
         compute nothing, sample from their parent's logits, and get copies of its partial last block
-        (block_copies: (source, destination)) once its KV is written. finished_seq_ids: sequences that
+        (block_copies: (source, destination); of a full one too under an EAGLE-3 head) once its KV is
+        written. finished_seq_ids: sequences that
         ended since the last step (their sampling state is freed). prompt_logprob_rows: (index in seqs,
         k) of the prefilled sequences that want their prompt's log-probs (SampledTokens carries them).
         defer_sampling: launch the forward pass alone; sample_deferred() samples it later (structured
@@ -203,28 +204,40 @@ class ModelRunner:
                     seqs, logits_rows, self.config.hf_config.vocab_size, self.config.eos_token_ids,
                     self.penalty_state, self.device)
         step = (seqs, logits, tensors, penalty_rows, prompt_logprobs) if self.rank == 0 else (seqs,)
-        if defer_sampling:
-            if block_copies:
-                self.copy_blocks(block_copies)
-            self._deferred = step
-            return None
-        sampled = self._sample(*step)
-        if self.draft is not None:      # the draft's K/V of the same positions, under the same metadata
+        drafter_record = None
+        if self.draft is not None:      # what the drafter needs of this step, before the engine counts it computed
             with using_context(context):
-                self.draft.after_step(input_ids, positions, seqs, computed, self.sampled, finished_seq_ids)
-        if block_copies:                # after the draft's K/V too: a copy carries both caches
-            self.copy_blocks(block_copies)
-        return sampled
+                drafter_record = (self.draft.after_forward(input_ids, positions, seqs, computed, finished_seq_ids),
+                                  context)
+        if defer_sampling:
+            self._deferred = (step, drafter_record, block_copies)
+            return None
+        return self._sample_and_follow(step, drafter_record, block_copies)
 
     @torch.inference_mode()
     def sample_deferred(self, token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
                         ) -> SampledTokens | None:
         """Sample the step run(defer_sampling=True) launched; token_bitmask (rank 0, on the host, the
         bitmask pinned on a GPU): structured outputs' (bitmask, rows), see SamplingTensors."""
-        step, self._deferred = self._deferred, None
+        (step, drafter_record, block_copies), self._deferred = self._deferred, None
         if self.rank == 0 and token_bitmask is not None:
             step[2].token_bitmask = self._on_device(token_bitmask)
-        return self._sample(*step)
+        return self._sample_and_follow(step, drafter_record, block_copies)
+
+    def _sample_and_follow(self, step: tuple, drafter_record, block_copies: list[tuple[int, int]]
+                           ) -> SampledTokens | None:
+        """Sample a step; then the drafter's K/V of its positions (they may read its tokens), the step's block
+        copies (after them: a copy carries both caches), and what the drafter writes into the copies."""
+        sampled = self._sample(*step)
+        if drafter_record is not None:
+            record, context = drafter_record
+            with using_context(context):
+                self.draft.after_sampling(record, self.sampled)
+        if block_copies:
+            self.copy_blocks(block_copies)
+            if drafter_record is not None:
+                self.draft.after_block_copies(drafter_record[0], self.sampled)
+        return sampled
 
     def _on_device(self, token_bitmask: tuple[torch.Tensor, torch.Tensor] | None):
         """Structured outputs' (bitmask, rows) from the host (pinned on a GPU), queued behind the step."""

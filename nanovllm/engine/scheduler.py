@@ -63,8 +63,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = config.eos_token_ids
+        # an EAGLE-3 head's K/V at a position read the token after it (eagle3_proposer.py)
+        reads_next_token = (config.speculative_config or {}).get("method") == "eagle3"
         self.block_manager = BlockManager(num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, reads_next_token)
         self._config = config                   # for the first preemption's hint
         self.watermark_blocks = int(WATERMARK * num_kvcache_blocks)
         self.waiting: deque[Sequence] = deque()

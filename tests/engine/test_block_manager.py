@@ -355,3 +355,88 @@ def test_no_partial_hits_in_small_pages_without_the_prefix_cache_or_for_prompt_l
     b = Sequence(list(a[:2 * page + page // 2]) + [7] * 5, SamplingParams(prompt_logprobs=prompt_logprobs), page)
     assert bm.partial_hit(b) is None and bm.allocate(b) is None
     assert b.num_cached_tokens == (2 * page if caching and prompt_logprobs is None else 0)
+
+
+# ---- a drafter whose K/V at a position read the token after it (EAGLE-3): reads_next_token ------------------------
+def head_blocks(num_blocks: int = 16, block_size: int = BS) -> BlockManager:
+    return BlockManager(num_blocks, block_size, reads_next_token=True)
+
+
+def earlier(bm: BlockManager, seq: Sequence) -> Sequence:
+    """seq allocated and computed by a step before the one being scheduled."""
+    bm.start_step()
+    computed(bm, allocated(bm, seq))
+    bm.start_step()
+    return seq
+
+
+def test_a_block_records_the_token_after_it_once_known():
+    bm = head_blocks()
+    a = earlier(bm, seq_of(range(8)))                  # two whole blocks: the token after the second is unknown
+    assert [bm.blocks[b].next_token for b in a.block_table] == [4, -1]
+    a.append_token(42)                                 # its first sampled token arrives
+    bm.hash_blocks(a)
+    assert [bm.blocks[b].next_token for b in a.block_table[:2]] == [4, 42]
+    check_invariants(bm, [a])
+
+
+def test_a_block_followed_by_another_token_is_shared_but_for_its_last_position():
+    """The cached block's last position read token 4 of a; b has 50 there: b copies the block and computes
+    its position 3 again (a partial hit of all but the last token), whatever the page size."""
+    bm = head_blocks()
+    a = earlier(bm, seq_of(range(10)))
+    b = seq_of([0, 1, 2, 3, 50, 51, 52])
+    assert bm.partial_hit(b) == (a.block_table[0], BS - 1, False)
+    assert bm.allocate(b) == (a.block_table[0], b.block_table[0])
+    assert b.num_cached_tokens == BS - 1 and b.block_table[0] not in a.block_table
+    c = seq_of(list(range(8)) + [60, 61])              # block 0 followed by a's token: shared; block 1 is not
+    assert bm.allocate(c) == (a.block_table[1], c.block_table[1])
+    assert c.block_table[0] == a.block_table[0] and c.num_cached_tokens == BS + BS - 1
+    check_invariants(bm, [a, b, c])
+
+
+def test_a_block_is_shared_whole_where_a_cached_copy_read_the_same_token():
+    """Two blocks of one prefix that read different tokens after it: each prompt shares the one it matches."""
+    bm = head_blocks()
+    a = earlier(bm, seq_of(range(10)))
+    b = seq_of([0, 1, 2, 3, 50, 51, 52])
+    bm.allocate(b)
+    computed(bm, b)                                    # its copy of block 0 now reads 50: the newest of the hash
+    bm.start_step()
+    again = allocated(bm, seq_of(range(10)))
+    assert again.block_table[:2] == a.block_table[:2] and again.num_cached_tokens == 2 * BS
+    like_b = allocated(bm, seq_of([0, 1, 2, 3, 50, 51, 52]))
+    assert like_b.block_table[0] == b.block_table[0] and like_b.num_cached_tokens == BS
+    check_invariants(bm, [a, b, again, like_b])
+
+
+def test_a_block_whose_next_token_is_not_known_yet_is_copied():
+    bm = head_blocks()
+    a = earlier(bm, seq_of(range(8)))                  # its second block's next token: still to be sampled
+    b = seq_of(list(range(8)) + [42, 43])
+    assert bm.allocate(b) == (a.block_table[1], b.block_table[1]) and b.num_cached_tokens == 2 * BS - 1
+    a.append_token(42)
+    bm.hash_blocks(a)
+    bm.start_step()
+    c = allocated(bm, seq_of(list(range(8)) + [42, 44]))
+    assert c.block_table[:2] == a.block_table[:2] and c.num_cached_tokens == 2 * BS
+    check_invariants(bm, [a, b, c])
+
+
+def test_a_partial_hit_stops_a_token_early_where_the_cached_next_token_differs():
+    bm = head_blocks(16, PAGE)
+    a = cached_source(bm)
+    b = page_seq(list(a[:150]) + [7] * 30)             # shares 22 tokens of a's third block, then differs
+    assert bm.partial_hit(b) == (a.block_table[2], 21, False)
+    same = page_seq(a[:])                              # a again: the cached token after its 63 shared is its own
+    assert bm.partial_hit(same) == (a.block_table[2], PAGE - 1, False)
+
+
+def test_completions_split_off_copy_the_prompts_last_block_even_when_full():
+    bm = head_blocks(5)
+    whole = allocated(bm, seq_of(range(8)))            # 2 whole blocks, 3 free: one copy a completion
+    assert bm.num_forkable(whole, 10) == 3
+    child = whole.fork(1)
+    assert bm.fork(whole, child) == (whole.block_table[1], child.block_table[1])
+    assert child.block_table[0] == whole.block_table[0] and child.block_table[1] != whole.block_table[1]
+    check_invariants(bm, [whole, child])

@@ -17,7 +17,7 @@ EOS = 0
 def scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, prefix_caching=True):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, eos_token_ids=frozenset({EOS}),
-                             kvcache_block_size=BS, enable_prefix_caching=prefix_caching)
+                             kvcache_block_size=BS, enable_prefix_caching=prefix_caching, speculative_config=None)
     return Scheduler(config, num_blocks)
 
 
@@ -292,7 +292,8 @@ def test_a_prompt_sharing_part_of_a_block_its_step_writes_starts_next_step_copyi
     on), then gets a copy of that block before its own step and computes only what follows the shared tokens."""
     page = 64
     config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
-                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
+                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True,
+                             speculative_config=None)
     s = Scheduler(config, 32)
     prefix = list(range(1, 181))                              # two pages and 52 tokens
     a, b, c = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page) for i in range(3))
@@ -317,7 +318,8 @@ def test_a_short_partial_hit_on_a_block_its_step_writes_is_computed_again_withou
     """Less than half a page shared (a short system prompt in a burst of requests): not worth a step's wait."""
     page = 64
     config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
-                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
+                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True,
+                             speculative_config=None)
     s = Scheduler(config, 32)
     prefix = list(range(1, 151))                              # two pages and 22 tokens
     a, b = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page) for i in range(2))
@@ -330,7 +332,8 @@ def test_the_prompts_after_a_prefixs_first_all_start_together_copying_the_page_i
     too; a page an earlier step wrote is taken over those (else they would start a few at a time)."""
     page = 64
     config = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024,
-                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True)
+                             eos_token_ids=frozenset({EOS}), kvcache_block_size=page, enable_prefix_caching=True,
+                             speculative_config=None)
     s = Scheduler(config, 64)
     prefix = list(range(1, 181))
     first, *others = (Sequence(prefix + [500 + 100 * i + j for j in range(60)], SamplingParams(), page)

@@ -31,13 +31,24 @@ def fake_model(seq: Sequence | None) -> int:
     return hash((seq.index, *prefix)) % 10
 
 
+def token_at(seq: Sequence, position: int) -> int:
+    """seq's token at position, PENDING where not known (yet, or ever: a finished sequence drops its
+    placeholders)."""
+    return seq.token_ids[position] if position < len(seq.token_ids) else PENDING
+
+
 class PagedKV:
     """What each KV slot holds, as (the sequence that wrote it, the position): a step copies the blocks its
     partial prefix-cache hits need, writes the K/V of every token it computes, then each layer's attention
-    reads every position up to the last one a sequence computes, then the step's n > 1 copies are made."""
+    reads every position up to the last one a sequence computes, then the step's n > 1 copies are made.
 
-    def __init__(self, block_size: int):
+    With `head` (an EAGLE-3 head beside the target), a slot's K/V also read the writer's token after its
+    position, so a read must find the reader's token there too; and a completion split off a prompt
+    writes the prompt's last position again, into its copy, after the copies."""
+
+    def __init__(self, block_size: int, head: bool = False):
         self.block_size = block_size
+        self.head = head
         self.slots: dict[int, tuple[Sequence, int]] = {}
         self.num_prefix_copies = 0
 
@@ -68,20 +79,30 @@ class PagedKV:
                 assert written == position, "a slot holds another position's K/V"
                 theirs, ours = writer.token_ids[position], seq.token_ids[position]
                 assert PENDING in (theirs, ours) or theirs == ours, "a slot holds another token's K/V"
+                if self.head and position < end - 1:
+                    theirs, ours = token_at(writer, position + 1), token_at(seq, position + 1)
+                    assert PENDING in (theirs, ours) or theirs == ours, "a head's K/V read another next token"
         self._copy(block_copies)
+        if self.head and spans:             # a prefill: completions split off compute nothing of their own
+            for seq in seqs:
+                if not seq.num_scheduled_tokens:
+                    self.slots[self._slot(seq, seq.num_tokens - 1)] = (seq, seq.num_tokens - 1)
 
 
-def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[int, list[int]] | None]]:
+def run_workload(seed: int, pipelined: bool, head: bool = False
+                 ) -> tuple[Scheduler, dict[int, dict[int, list[int]] | None]]:
     """Requests arrive at random steps; with `pipelined`, each step is scheduled and launched before the
     previous one's tokens are postprocessed, as the engine does. A few requests are aborted at random
-    steps. Returns the completions of the requests not aborted (None for those aborted) by (arrival
-    index, completion index)."""
+    steps. `head`: an EAGLE-3 head's speculative config (its K/V read the token after each position).
+    Returns the completions of the requests not aborted (None for those aborted) by (arrival index,
+    completion index)."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(8, 16) * (8 // block_size)    # room for 64 to 128 tokens: preemptions
     config = SimpleNamespace(max_num_seqs=rng.randint(4, 8), max_num_batched_tokens=rng.randint(4, 40),
                              max_model_len=64, eos_token_ids=frozenset({EOS}), kvcache_block_size=block_size,
-                             enable_prefix_caching=rng.random() < 0.8)
+                             enable_prefix_caching=rng.random() < 0.8,
+                             speculative_config={"method": "eagle3"} if head else None)
     prefixes = [[rng.randint(1, 9) for _ in range(rng.randint(0, 12))] for _ in range(3)]
     arrivals: dict[int, list[Sequence]] = {}
     for _ in range(60):
@@ -95,7 +116,7 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[
     aborts = {rng.randint(0, 300): rng.randrange(len(requests)) for _ in range(3)}    # step: request
 
     s = Scheduler(config, num_blocks)
-    kv = PagedKV(block_size)
+    kv = PagedKV(block_size, head)
     finished: dict[int, list[Sequence]] = {seq.seq_id: [] for seq in requests}
     aborted: set[int] = set()
     in_flight = None
@@ -141,19 +162,24 @@ def run_workload(seed: int, pipelined: bool) -> tuple[Scheduler, dict[int, dict[
     return s, outputs
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["target", "eagle3-head"])
 @pytest.mark.parametrize("partial_hits", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_output(seed, partial_hits,
+def test_random_workloads_keep_the_cache_consistent_and_pipelining_changes_no_output(seed, partial_hits, head,
                                                                                      monkeypatch):
     if partial_hits:        # the small pages here take partial prefix-cache hits of one token and more
         monkeypatch.setattr(block_manager, "PARTIAL_HIT_MIN_PAGE", 2)
-    sync, sync_outputs = run_workload(seed, pipelined=False)
-    piped, piped_outputs = run_workload(seed, pipelined=True)
+    sync, sync_outputs = run_workload(seed, pipelined=False, head=head)
+    piped, piped_outputs = run_workload(seed, pipelined=True, head=head)
     # an abort may catch a request in one run and find it not yet arrived, or done, in the other
     both = [i for i in sync_outputs if sync_outputs[i] is not None and piped_outputs[i] is not None]
     assert [piped_outputs[i] for i in both] == [sync_outputs[i] for i in both]
     assert len(both) >= 40 and sync.num_decoded_tokens > 300
     assert any(len(sync_outputs[i]) > sync.max_num_seqs for i in both)
     assert sync.num_preemptions > 0 and piped.num_preemptions > 0
-    takes_partial_hits = sync.block_manager.min_partial > 0 and sync.block_manager.enable_prefix_caching
-    assert (sync.num_prefix_copies > 0) == (partial_hits and takes_partial_hits)
+    caching = sync.block_manager.enable_prefix_caching
+    takes_partial_hits = sync.block_manager.min_partial > 0 and caching
+    if head:        # a cached block followed by another token than the prompt's is copied: a partial hit too
+        assert (sync.num_prefix_copies > 0) == caching
+    else:
+        assert (sync.num_prefix_copies > 0) == (partial_hits and takes_partial_hits)
