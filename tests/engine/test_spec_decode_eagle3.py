@@ -17,24 +17,23 @@ before as its hidden state (no fc), attending to the K/V of the target's positio
 So, at every decode step: a greedy request's drafts are those outputs' argmaxes, and a sampled request's
 are drawn from q = softmax(logits / T) mapped onto the target's vocabulary, whatever steps wrote the
 head's K/V before (batched prefill, prefix-cache hits on blocks written under speculation, chunked
-prefill, preemption and recomputation, n > 1 greedy completions split off a prompt). The outputs, as for the
+prefill, preemption and recomputation, n > 1 completions split off a prompt, each reading its own first
+token at the prompt's last position, a prefix-cache hit on a block that another token followed when it
+was written, steps of constrained requests sampled after the engine went on). The outputs, as for the
 draft_model method (test_spec_decode_draft_model.py, whose layout this file follows): greedy requests get
 plain decoding's tokens, token for token (CPU float32), with a head of the target's vocabulary and one of a
 smaller draft vocabulary; sampled ones keep the target's exact law (Pearson's chi-square at the first drafted
 position, drafts accepted at the rate sum min(p, q) gives, q the head's law), and a seeded request draws the
-same tokens again. Bad configurations are refused by name.
-
-Two places where the engine does not compute what EAGLE-3 defines (the outputs stay exact, only drafts and
-acceptance change) are pinned by strict xfails at the end of the file: sampled completions split off a
-prompt (n > 1) and a prefix-cache hit on a block that another token followed when it was written."""
+same tokens again. Bad configurations are refused by name."""
 import json
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from speculation import (BLOCK, GREEDY, MAX_TOKENS, REPEATING, VOCAB, assert_a_mixed_batch_ends_as_plain_decoding,
                          assert_idle, assert_seeded_draws_repeat, completions_step_by_step, engine,
                          greedy_drafting_every_step, law_completions, tokens)
@@ -405,6 +404,26 @@ def test_each_later_draft_continues_on_the_heads_own_output(mixed):
         assert count >= 4 * 5 and over == 0, (f"draft {j + 1}", largest, over, count)
     decided, total = check_greedy_drafts(reference, records, seqs, first_only=False)
     assert total >= 3 * 10 * 3 and decided >= 0.9 * total, (decided, total)
+
+
+def test_constrained_requests_draft_as_eagle3_defines(target, heads, references, monkeypatch):
+    """A step with a request under a structured output is sampled once its token masks are known, after the
+    engine has gone on (ModelRunner.sample_deferred): the head's K/V and kept outputs of that step are
+    written then, so the first drafts of constrained greedy requests, batched with an unconstrained one, are
+    the reference head's argmax as everywhere else (the head drafts unconstrained; the verification masks)."""
+    reference = references["full"]
+    constraint = StructuredOutputsParams(regex="[a-z]{3}( [a-z]{2,5}){4,9}")
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=constraint)] * 2 + [GREEDY]
+    with engine(target, eagle3(heads["full"], 2)) as llm:
+        recorder = Proposals(llm, monkeypatch)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        records = recorder.take()
+        assert_idle(llm)
+    assert all(re.fullmatch("[a-z]{3}( [a-z]{2,5}){4,9}", out["text"]) for out in outputs[:2])
+    assert sum(record[0][:len(prompt)] == prompt for record in records for prompt in prompts[:2]) >= 10
+    decided, total = check_greedy_drafts(reference, records, sequences(prompts, outputs))
+    assert total >= 20 and decided >= 0.9 * total, (decided, total)
 
 
 # ---- sampling: seeded requests draw the same tokens again -------------------------------------------------------
