@@ -29,7 +29,7 @@ def simulate(kv_tokens: int, block_size: int, num_seqs: int = 256, max_num_seqs:
     """One run of the standard workload's requests through a Scheduler of kv_tokens // block_size blocks."""
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=16384, eos_token_ids=frozenset({-2}), kvcache_block_size=block_size,
-                             enable_prefix_caching=True)
+                             enable_prefix_caching=True, speculative_config=None)
     scheduler = Scheduler(config, kv_tokens // block_size)
     workload = make_workload(num_seqs, 1024, 1024, seed=0)
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens):

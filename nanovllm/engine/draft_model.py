@@ -6,11 +6,11 @@ Its KV cache is a second paged cache indexed by the target's block ids: a token'
 where its target K/V lie, so the BlockManager's block tables, prefix-cache hits, n > 1 block copies,
 preemption and lookahead reservations serve both caches at once. The draft computes its K/V in every prefill
 and plain decode step the target runs (ModelRunner.run calls `after_forward` and `after_sampling` with that
-step's inputs and attention metadata), so it holds valid K/V wherever the target does but at one place: when a sequence's k drafts are all
-accepted, the draft never computed the last draft's K/V. So each proposal starts one token back, at
-num_cached_tokens - 1 (its K/V rewritten with the same token), and computes up to the last token: usually two
-tokens. (A block published to the prefix cache in between keeps that one hole: it can only lower the draft's
-acceptance of a later prompt that hits the block, never change an output.)
+step's inputs and attention metadata), so it holds valid K/V wherever the target does but at one place: when a
+sequence's k drafts are all accepted, the draft never computed the last draft's K/V. So each proposal starts
+one token back, at num_cached_tokens - 1 (its K/V rewritten with the same token), and computes up to the last
+token: usually two tokens. (A block published to the prefix cache in between keeps that one hole: it can only
+lower the draft's acceptance of a later prompt that hits the block, never change an output.)
 
 A proposal: pass 1 computes those tokens and drafts token 1 from its last row; pass j computes draft j - 1 at
 its position (its slot reserved by reserve_lookahead before the drafting) and drafts token j. A greedy row

@@ -5,13 +5,14 @@ layer drafts nearly as the whole target would.
 The head's K/V at position p come from token p + 1 and the target's hidden state at p, so they can be written
 only once token p + 1 is known: after each target step samples. ModelRunner.run hands every prefill and decode
 step to `after_forward` (the tokens each position is followed by: the prompt's next ones, and at the end the
-token the step samples) and then, once sampled, to `after_sampling`, and ModelRunner.verify hands a verification to `after_verify` (each row followed by the
-token emitted there; rows past a rejection write K/V that later steps overwrite, as the target's). Either way
-the head's K/V are complete wherever the target's are, in a second paged cache under the target's block ids
-(as a draft model's: draft_model.py), and the head's output at each sequence's last computed position L - 2
-(read with its last token, L tokens in all) is kept (a table of rows per sequence, on every rank): that output
-drafts token 1. Drafting token j + 1 then runs the head on draft j at position L + j - 2 (the last token's
-slot, then reserved ones) with the head's own previous output as the hidden state.
+token the step samples) and, once sampled, to `after_sampling`; ModelRunner.verify hands a verification to
+`after_verify` (each row followed by the token emitted there; rows past a rejection write K/V that later steps
+overwrite, as the target's). Either way the head's K/V are complete wherever the target's are, in a second
+paged cache under the target's block ids (as a draft model's: draft_model.py), and the head's output at each
+sequence's last computed position L - 2 (read with its last token, L tokens in all) is kept (a table of rows
+per sequence, on every rank): that output drafts token 1. Drafting token j + 1 then runs the head on draft j
+at position L + j - 2 (the last token's slot, then reserved ones) with the head's own previous output as the
+hidden state.
 
 Two places where a token after a block matters: completions split off a prompt (n > 1) each read their own
 first token at the prompt's last position, so each gets a copy of the block holding it (BlockManager.fork) and
@@ -35,7 +36,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import prepare_segments
 from nanovllm.models.eagle3 import Eagle3Head, aux_hidden_layer_ids
 from nanovllm.utils.context import get_context, reset_context
-from nanovllm.utils.transfer import to_device
+from nanovllm.utils.transfer import list_to_device, to_device
 
 NEXT_SAMPLED = -1      # a position followed by the token its step samples
 
@@ -44,11 +45,13 @@ class StepRecord(NamedTuple):
     """What the head keeps of a target step until its tokens are sampled (Eagle3Proposer.after_forward)."""
     positions: torch.Tensor
     num_tokens: int
-    following: torch.Tensor | None      # each position's following token, NEXT_SAMPLED where sampled; None:
-    rows_of: torch.Tensor | None        # all sampled (a decode step); each position's row in the step's samples
-    ends: list[int]                     # the positions whose output drafts next, of these sequences:
-    owners: list[int]
-    # completions split off: (it, its sample's row, its parent's end row, the prompt's last position)
+    # each position's following token, NEXT_SAMPLED where the step samples it, and the row of its sample
+    # (None, None: a decode step, whose positions are all followed by their samples)
+    following: torch.Tensor | None
+    rows_of: torch.Tensor | None
+    ends: list[int]             # the rows whose output drafts next ...
+    owners: list[int]           # ... for these sequences
+    # completions split off a prompt: (the completion, its sample's row, its parent's end row, the position)
     splits: list[tuple[Sequence, int, int, int]]
 
 
@@ -114,12 +117,12 @@ class Eagle3Proposer(Drafter):
                                       [s.num_scheduled_tokens for s in computed]).astype(np.int64), self.device)
         # a completion split off a prompt in this step (n > 1) follows its parent in the batch (as its logits
         # row does): its own first token follows the prompt's last position (after_block_copies)
-        splits, parent = [], None
+        end_of, splits, parent = dict(zip(owners, ends)), [], None
         for i, seq in enumerate(seqs):
             if seq.num_scheduled_tokens:
                 parent = seq
-            elif parent is not None and parent.seq_id in owners:
-                splits.append((seq, i, ends[owners.index(parent.seq_id)], seq.num_tokens - 1))
+            elif parent is not None and parent.seq_id in end_of:
+                splits.append((seq, i, end_of[parent.seq_id], seq.num_tokens - 1))
         return StepRecord(positions, len(input_ids), following, rows_of, ends, owners, splits)
 
     @torch.inference_mode()
@@ -144,9 +147,8 @@ class Eagle3Proposer(Drafter):
         children, rows, parent_ends, last_positions = zip(*record.splits)
         positions = prepare_segments(list(children), list(last_positions), [1] * len(children), self.block_size,
                                      self.device)
-        index = lambda values: to_device(np.array(values, dtype=np.int64), self.device)     # noqa: E731
-        _, before_norm = self.model(sampled[index(rows)], positions, self.aux.aux_hidden_states[index(parent_ends)],
-                                    True)
+        hidden = self.aux.aux_hidden_states[list_to_device(parent_ends, torch.int64, self.device)]
+        _, before_norm = self.model(sampled[list_to_device(rows, torch.int64, self.device)], positions, hidden, True)
         reset_context()
         rows = self._rows_for([child.seq_id for child in children])     # may grow the table: before indexing it
         self.last[rows] = before_norm
