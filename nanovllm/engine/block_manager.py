@@ -69,6 +69,10 @@ class BlockManager:
     it is a partial hit of all but its last token (that position is computed again, into a copy), and a
     partial hit stops a token earlier wherever the cached block's next token differs. Completions split
     off a prompt each get a copy of the block holding its last token, full or not, to write their own.
+
+    A drafter may also leave a position of a sequence unwritten for a while (a draft model's last draft when
+    all were accepted: engine/draft_model.py): `hold_back` keeps the block holding it, and those after it,
+    out of the cache until `drafter_wrote_from` says the drafter has computed it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -76,6 +80,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.reads_next_token = reads_next_token
+        self.held_back: dict[int, int] = {}         # seq_id -> a position its drafter's K/V lack
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         # reads_next_token: (hash, the token after the block) -> block id, beside the newest block of a hash
@@ -260,6 +265,16 @@ class BlockManager:
             self._release(block_id)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
+        self.held_back.pop(seq.seq_id, None)        # recomputed, if ever, drafter's K/V too
+
+    def hold_back(self, seq: Sequence, position: int) -> None:
+        """seq's drafter has not written its K/V at `position`: no block from the one holding it is published."""
+        self.held_back[seq.seq_id] = position
+
+    def drafter_wrote_from(self, seq: Sequence, position: int) -> None:
+        """seq's drafter computed its K/V from `position` on: a position held back there or after is written."""
+        if self.held_back.get(seq.seq_id, -1) >= position:
+            del self.held_back[seq.seq_id]
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether seq's last token (computed next decode step) has a slot, or a free block can give one."""
@@ -345,7 +360,7 @@ class BlockManager:
         if num_computed is None:
             num_computed = seq.num_cached_tokens
         num_known = seq.num_tokens - seq.num_pending_tokens
-        end = min(num_computed, num_known) // self.block_size
+        end = min(num_computed, num_known, self.held_back.get(seq.seq_id, num_known)) // self.block_size
         start = end
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1

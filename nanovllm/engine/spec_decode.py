@@ -100,6 +100,7 @@ class SpeculativeDecoding:
         self.draft_model = draft_model
         self.proposer = None if spec["method"] != "ngram" else NgramProposer(
             self.k, spec["prompt_lookup_min"], spec["prompt_lookup_max"])
+        self.draft_leaves_last = spec["method"] == "draft_model"     # its last accepted draft's K/V unwritten
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         self.max_model_len = config.max_model_len
@@ -128,7 +129,11 @@ class SpeculativeDecoding:
             if not any(lengths):
                 return [[] for _ in seqs]
             # the tokens the draft computes first (draft_model.py): one back from the target's cached ones
-            return self.draft_model(seqs, lengths, [seq.token_ids[seq.num_cached_tokens - 1:] for seq in seqs])
+            drafts = self.draft_model(seqs, lengths, [seq.token_ids[seq.num_cached_tokens - 1:] for seq in seqs])
+            for seq, n in zip(seqs, lengths):
+                if n:
+                    self.block_manager.drafter_wrote_from(seq, seq.num_cached_tokens - 1)
+            return drafts
         drafts = self.proposer.propose(seqs, room)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             if draft:
@@ -166,6 +171,9 @@ class SpeculativeDecoding:
                     stop_token = token_id
                     break
             seq.num_cached_tokens = min(computed, seq.num_tokens)
+            if self.draft_leaves_last and draft and accepted == len(draft):
+                # the draft model never computed its last draft's K/V: its next proposal does (draft_model.py)
+                self.block_manager.hold_back(seq, computed - 1)
             if logprobs is not None and seq.logprobs is not None:
                 rows = tuple(column[first:first + count] for column in logprobs)
                 record_logprobs([seq] * count, gained[:count], rows)

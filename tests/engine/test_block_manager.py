@@ -440,3 +440,29 @@ def test_completions_split_off_copy_the_prompts_last_block_even_when_full():
     assert bm.fork(whole, child) == (whole.block_table[1], child.block_table[1])
     assert child.block_table[0] == whole.block_table[0] and child.block_table[1] != whole.block_table[1]
     check_invariants(bm, [whole, child])
+
+
+# ---- a position a drafter has not written yet (a draft model's last accepted draft) ------------------------------
+def test_a_held_back_position_keeps_its_block_and_the_later_ones_unpublished_until_written():
+    bm = BlockManager(16, BS)
+    seq = allocated(bm, seq_of(range(14)))
+    bm.hold_back(seq, 7)                               # the second block's last position
+    computed(bm, seq)
+    assert [bm.blocks[b].hash != -1 for b in seq.block_table] == [True, False, False, False]
+    bm.drafter_wrote_from(seq, 8)                      # from a later position on: the hole is still there
+    bm.hash_blocks(seq)
+    assert bm.blocks[seq.block_table[1]].hash == -1
+    bm.drafter_wrote_from(seq, 7)
+    bm.hash_blocks(seq)
+    assert [bm.blocks[b].hash != -1 for b in seq.block_table] == [True, True, True, False]
+    check_invariants(bm, [seq])
+
+
+def test_a_hold_ends_with_the_sequences_blocks():
+    bm = BlockManager(16, BS)
+    seq = allocated(bm, seq_of(range(10)))
+    bm.hold_back(seq, 2)
+    bm.deallocate(seq)                                 # preempted or finished: recomputed, if ever, whole
+    assert not bm.held_back
+    computed(bm, allocated(bm, seq))
+    assert all(bm.blocks[b].hash != -1 for b in seq.block_table[:2])

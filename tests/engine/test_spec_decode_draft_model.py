@@ -113,6 +113,24 @@ def test_prefix_cache_hits_on_blocks_computed_under_speculation(spec, greedy_ref
     assert_idle(llm)
 
 
+def test_a_published_block_holds_the_drafts_kv_at_every_position(tiny_model):
+    """When a verification accepts all k drafts, the draft never computed the last one's K/V (its next
+    proposal does): the prefix cache publishes no block from the one with that position on until then, also
+    where the sequence ends first or plain steps come between. With the target as its own draft, every
+    published block's draft K/V equal the target's, slot for slot (a hole would hold an older block's)."""
+    prompts = random_prompts(24, VOCAB, (5, 60), seed=4105)
+    with engine(tiny_model, draft_model(tiny_model, 3), num_kvcache_blocks=200) as llm:
+        for max_tokens, prompt in enumerate(prompts, 20):      # ending at every offset of an accepted run
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+        assert_acceptance("self", llm.stats["spec_decode_draft_tokens"], llm.stats["spec_decode_accepted_tokens"])
+        published = list(llm.scheduler.block_manager.hash_to_block_id.values())
+        target, draft = llm.model_runner.kv_cache, llm.model_runner.draft.kv_cache
+        assert len(published) >= 60
+        torch.testing.assert_close(draft[:, :, published], target[:, :, published], atol=1e-3, rtol=0)
+        assert_idle(llm)
+
+
 @pytest.mark.parametrize("in_one_step", [False, True])
 def test_partial_prefix_hits_copy_the_drafts_cache_too(tiny_model, in_one_step):
     """In 64-token pages, prompts sharing a 100-token prefix copy the first prompt's second page (36 shared
