@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.timeout(300),  # worker processes: a regression must f
               pytest.mark.cpu_only]      # every engine is device="cpu" (gloo ranks)
 
 SHAPE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64, intermediate_size=96)
-PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [300 + i % 7 for i in range(33)]]
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8 + [14], [300 + i % 7 for i in range(33)],
+           [20 + i % 5 for i in range(32)]]      # the last: two whole pages (n = 2 copies a full one, EAGLE-3)
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
           SamplingParams(n=2, temperature=0.3, repetition_penalty=1.1, frequency_penalty=0.05, seed=5,
                          max_tokens=24, ignore_eos=True)]
