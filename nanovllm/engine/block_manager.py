@@ -142,11 +142,12 @@ class BlockManager:
                 h = self.compute_hash(token_ids, h)
                 block_id = self.hash_to_block_id.get(h, -1)
                 if self.reads_next_token:
-                    block_id = self.followed_to_block_id.get((h, seq[(i + 1) * self.block_size]), block_id)
+                    following = seq[(i + 1) * self.block_size]
+                    block_id = self.followed_to_block_id.get((h, following), block_id)
                 if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                     break
                 block = self.blocks[block_id]
-                if self.reads_next_token and block.next_token != seq[(i + 1) * self.block_size]:
+                if self.reads_next_token and block.next_token != following:
                     # its last position read another token (or one not known yet): all but that position
                     partial = (block_id, self.block_size - 1, block.step == self.step)
                     break
@@ -364,7 +365,7 @@ class BlockManager:
         start = end
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1
-        if self.reads_next_token and 0 < start < num_known / self.block_size:
+        if self.reads_next_token and 0 < start and start * self.block_size < num_known:
             # registered before the token after it was known (a prompt's last token was sampled since)
             block = self.blocks[seq.block_table[start - 1]]
             if block.next_token == -1:
