@@ -49,7 +49,7 @@ class StepRecord(NamedTuple):
     # (None, None: a decode step, whose positions are all followed by their samples)
     following: torch.Tensor | None
     rows_of: torch.Tensor | None
-    ends: list[int]             # the rows whose output drafts next ...
+    ends: list[int] | None      # the rows whose output drafts next (None: every row, a decode step's) ...
     owners: list[int]           # ... for these sequences
     # completions split off a prompt: (the completion, its sample's row, its parent's end row, the position)
     splits: list[tuple[Sequence, int, int, int]]
@@ -100,8 +100,7 @@ class Eagle3Proposer(Drafter):
         rows whose output each sequence keeps, and the completions split off a prompt in this step."""
         self._release(finished_seq_ids)
         if not get_context().is_prefill:            # decode: each position is followed by its sampled token
-            return StepRecord(positions, len(input_ids), None, None, list(range(len(seqs))),
-                              [seq.seq_id for seq in seqs], [])
+            return StepRecord(positions, len(input_ids), None, None, None, [seq.seq_id for seq in seqs], [])
         index = {seq.seq_id: i for i, seq in enumerate(seqs)}
         following, ends, owners, offset = [], [], [], 0
         for seq in computed:
@@ -135,7 +134,8 @@ class Eagle3Proposer(Drafter):
                                     True)
         if record.owners:
             rows = self._rows_for(record.owners)      # may grow the table: before indexing it
-            self.last[rows] = before_norm[to_device(np.array(record.ends, dtype=np.int64), self.device)]
+            self.last[rows] = before_norm if record.ends is None else \
+                before_norm[list_to_device(record.ends, torch.int64, self.device)]
 
     @torch.inference_mode()
     def after_block_copies(self, record: StepRecord, sampled: torch.Tensor) -> None:
