@@ -62,6 +62,7 @@ def test_the_triton_kernels_read_an_fp8_cache_as_the_reference_does(make_checkpo
     assert (triton - torch_ref).abs().max() < 1e-3
 
 
+@pytest.mark.timeout(120)        # engines' step loops: a regression fails instead of hanging
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_speculation_over_an_fp8_cache_gives_its_greedy_tokens(make_checkpoint, tmp_path, method):
     """Each speculative method over an fp8 cache (the drafter's too): greedy tokens are those of plain
