@@ -18,11 +18,11 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=0.6), dict(temperature=0.6, 
             dict(temperature=0.8, n=3, top_k=50), dict(temperature=0.6, min_tokens=4),
             dict(temperature=0.6, stop=["a"], top_p=0.9, logprobs=2),
             dict(temperature=0.0, logit_bias={5: 2.0, 9: -1.0}),
-            dict(temperature=0.7, top_k=20, allowed_token_ids=list(range(50, 300)), logit_bias={60: 1.5}, logprobs=3),
-            # structured outputs: the token-mask kernel, alone and beside penalties and log-probs
-            dict(temperature=0.6, structured_outputs={"regex": "[a-z ]{1,40}"}),
-            dict(temperature=0.0, logprobs=2, repetition_penalty=1.1, n=2,
-                 structured_outputs={"choice": ["alpha beta gamma delta", "x"]})]
+            dict(temperature=0.7, top_k=20, allowed_token_ids=list(range(50, 300)), logit_bias={60: 1.5}, logprobs=3)]
+# structured outputs (xgrammar, a test extra): the token-mask kernel, alone and beside penalties and log-probs
+STRUCTURED = [dict(temperature=0.6, structured_outputs={"regex": "[a-z ]{1,40}"}),
+              dict(temperature=0.0, logprobs=2, repetition_penalty=1.1, n=2,
+                   structured_outputs={"choice": ["alpha beta gamma delta", "x"]})]
 
 
 @pytest.mark.parametrize("kv_cache_dtype,block_size", [("auto", 256), ("fp8", 256), ("auto", 16)])
@@ -33,17 +33,32 @@ def test_no_request_compiles_a_kernel_after_start_up(make_checkpoint, kv_cache_d
     with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5, kv_cache_dtype=kv_cache_dtype,
              kvcache_block_size=block_size) as llm:
         with recorded_compilations() as compiled:
-            prompts = random_prompts(40, seed=11, lengths=(1, 1500))
-            # rows over one cached 1,100-token prefix: decode reads its pages once for them (shared_prefixes.py)
-            prefix = random_prompts(1, seed=13, lengths=(1100, 1100))[0]
-            shared = [prefix + p for p in random_prompts(40, seed=12, lengths=(1, 50))]
-            llm.generate(shared[:1], SamplingParams(max_tokens=1), use_tqdm=False)
-            for i, options in enumerate(SETTINGS):
-                # lone, small, large batches, small and large ones over the shared prefix
-                for batch in (prompts[i:i + 1], prompts[:3], prompts[:40], shared[:3], shared):
-                    llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
-            assert llm.stats["num_prefix_cache_hit_tokens"] > 0     # the paged prefill path ran too
+            generate_in_every_batch(llm, SETTINGS)
     assert_none_compiled(compiled)
+
+
+def test_no_structured_request_compiles_a_kernel_after_start_up(make_checkpoint):
+    """Constrained requests (sampled once their token masks are known) at the default cache: the mask kernel
+    is one variant whatever the cache's dtype or page size."""
+    pytest.importorskip("xgrammar")
+    model_dir = make_checkpoint(dtype=torch.bfloat16, device="cuda", **QWEN3_0_6B)
+    with LLM(str(model_dir), max_model_len=2048, gpu_memory_utilization=0.5) as llm:
+        with recorded_compilations() as compiled:
+            generate_in_every_batch(llm, STRUCTURED)
+    assert_none_compiled(compiled)
+
+
+def generate_in_every_batch(llm: LLM, settings: list[dict]) -> None:
+    """Each setting over a lone prompt, small and large batches (up to 1,500 tokens), and small and large ones
+    over a cached 1,100-token prefix, whose pages decode reads once for them (shared_prefixes.py)."""
+    prompts = random_prompts(40, seed=11, lengths=(1, 1500))
+    prefix = random_prompts(1, seed=13, lengths=(1100, 1100))[0]
+    shared = [prefix + p for p in random_prompts(40, seed=12, lengths=(1, 50))]
+    llm.generate(shared[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+    for i, options in enumerate(settings):
+        for batch in (prompts[i:i + 1], prompts[:3], prompts[:40], shared[:3], shared):
+            llm.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True, **options), use_tqdm=False)
+    assert llm.stats["num_prefix_cache_hit_tokens"] > 0     # the paged prefill path ran too
 
 
 def test_speculative_verification_replays_decode_graphs_and_compiles_nothing_after_start_up(make_checkpoint):
