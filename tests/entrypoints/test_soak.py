@@ -3,9 +3,11 @@ hundred mixed requests from dozens of concurrent clients against a KV cache smal
 greedy completions and chats, plain and streamed, n > 1 sampled completions ending at different steps
 (stop_token_ids over ~10% of the vocabulary), clients hanging up mid-stream, bad requests. Nothing may be
 lost or wrong (see soak_server.py's checks); afterwards /metrics shows nothing running, waiting or holding
-a KV block, and SIGTERM exits cleanly."""
+a KV block, and SIGTERM exits cleanly. The same again with speculative decoding (n-gram drafts verified
+every step): the same checks hold, and drafts were accepted."""
 import asyncio
 import importlib.util
+import json
 import signal
 import subprocess
 from pathlib import Path
@@ -33,9 +35,11 @@ def load_soak():
     return module
 
 
-def test_soak(start_server):
+@pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}],
+                         ids=["plain", "ngram"])
+def test_soak(start_server, speculation):
     soak = load_soak()
-    server = start_server(ENGINE_ARGS)
+    server = start_server(ENGINE_ARGS + (["--speculative-config", json.dumps(speculation)] if speculation else []))
     report = asyncio.run(soak.soak(server.url, clients=CLIENTS, requests=REQUESTS, seed=0, max_tokens=64, max_n=4,
                                    pool_size=16, request_timeout=30.0, vocab_size=512, log=lambda *_: None))
     print("\n" + report.summary())
@@ -45,6 +49,9 @@ def test_soak(start_server):
     assert sent == {"greedy", "sampled", "hangup", "bad"} and sum(report.sent.values()) == REQUESTS
     preemptions = report.metrics_after["num_preemptions_total"] - report.metrics_before.get("num_preemptions_total", 0)
     assert preemptions > 0, "the KV cache should be small enough to preempt"
+    if speculation:     # the drafts were verified and some accepted, under preemption, hang-ups and n > 1
+        print({name: value for name, value in report.metrics_after.items() if name.startswith("spec_decode")})
+        assert report.metrics_after["spec_decode_num_accepted_tokens_total"] > 0, report.metrics_after
 
     server.process.send_signal(signal.SIGTERM)
     try:
