@@ -306,12 +306,13 @@ def keyed_server(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def start_server(tiny_model, tmp_path, request):
-    """start(engine_args=SERVER_ENGINE_ARGS, slow=False) -> a server of this test's own on the tiny
-    checkpoint (slow: SLOW_MODEL_SHAPE's; a test that kills or loads it), stopped after the test."""
+    """start(engine_args=SERVER_ENGINE_ARGS, slow=False, model=None) -> a server of this test's own on the tiny
+    checkpoint (slow: SLOW_MODEL_SHAPE's, for a test that kills or loads it; or `model`), stopped after the
+    test."""
     servers = []
 
-    def start(engine_args: list[str] = SERVER_ENGINE_ARGS, slow: bool = False) -> Server:
-        model = request.getfixturevalue("slow_model") if slow else tiny_model
+    def start(engine_args: list[str] = SERVER_ENGINE_ARGS, slow: bool = False, model: str | None = None) -> Server:
+        model = model or (request.getfixturevalue("slow_model") if slow else tiny_model)
         servers.append(Server(model, engine_args, tmp_path / f"server{len(servers)}.log"))
         return servers[-1]
     yield start

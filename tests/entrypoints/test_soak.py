@@ -3,8 +3,11 @@ hundred mixed requests from dozens of concurrent clients against a KV cache smal
 greedy completions and chats, plain and streamed, n > 1 sampled completions ending at different steps
 (stop_token_ids over ~10% of the vocabulary), clients hanging up mid-stream, bad requests. Nothing may be
 lost or wrong (see soak_server.py's checks); afterwards /metrics shows nothing running, waiting or holding
-a KV block, and SIGTERM exits cleanly. The same again with speculative decoding (n-gram drafts verified
-every step): the same checks hold, and drafts were accepted."""
+a KV block, and SIGTERM exits cleanly. The same again with speculative decoding, drafts verified every
+step, by each method: n-gram lookup, a draft model (the target as its own draft: every draft accepted, so
+its unwritten last position is held back from the prefix cache, BlockManager.hold_back) and a random EAGLE-3
+head (whose pages' last positions read the token after them: BlockManager.reads_next_token): the same checks
+hold, and drafts were accepted."""
 import asyncio
 import importlib.util
 import json
@@ -35,13 +38,24 @@ def load_soak():
     return module
 
 
-@pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}],
-                         ids=["plain", "ngram"])
-def test_soak(start_server, speculation):
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model", "eagle3"])
+def test_soak(start_server, make_checkpoint, tiny_model, tmp_path, method):
     soak = load_soak()
-    server = start_server(ENGINE_ARGS + (["--speculative-config", json.dumps(speculation)] if speculation else []))
+    model, speculation = tiny_model, None
+    if method is not None:
+        speculation = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model":
+        speculation["model"] = str(tiny_model)
+    elif method == "eagle3":        # a head reads three distinct layers: a four-layer target
+        from benchmarks.random_checkpoint import write_random_eagle3_head
+        model = make_checkpoint(num_hidden_layers=4)
+        speculation["model"] = str(write_random_eagle3_head(tmp_path / "head", model, draft_vocab_size=200,
+                                                            aux_layer_ids=[0, 2, 3]))
+    server = start_server(ENGINE_ARGS + (["--speculative-config", json.dumps(speculation)] if speculation else []),
+                          model=str(model))
+    # a request unanswered in 60 s is a hang (the slowest here, EAGLE-3's, answer within ~9 s on two idle cores)
     report = asyncio.run(soak.soak(server.url, clients=CLIENTS, requests=REQUESTS, seed=0, max_tokens=64, max_n=4,
-                                   pool_size=16, request_timeout=30.0, vocab_size=512, log=lambda *_: None))
+                                   pool_size=16, request_timeout=60.0, vocab_size=512, log=lambda *_: None))
     print("\n" + report.summary())
     assert not report.problems, report.summary() + "\n" + server.output()[-3000:]
     assert not report.greedy_drift, report.summary()
