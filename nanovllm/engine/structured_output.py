@@ -98,11 +98,14 @@ def _parsed_grammar(key: tuple):
                 return xgr.Grammar.from_structural_tag(items, tag["triggers"])
             return xgr.Grammar.from_structural_tag(value)
     except Exception as error:     # xgrammar raises RuntimeError (and its own errors) with the parser's words
-        lines = str(error).strip().splitlines()
-        # the last line, less xgrammar's "[time] file.cc:line: " prefix
-        detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[-1]) if lines else type(error).__name__
-        raise ValueError(f"structured_outputs.{kind} is not valid: {detail}") from None
+        raise ValueError(f"structured_outputs.{kind} is not valid: {_xgrammar_words(error)}") from None
     raise AssertionError(kind)
+
+
+def _xgrammar_words(error: Exception) -> str:
+    """An xgrammar error's last line, less its "[time] file.cc:line: " prefix."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[-1]) if lines else type(error).__name__
 
 
 def check_structured_outputs(params: StructuredOutputsParams | None) -> None:
@@ -241,7 +244,13 @@ class StructuredOutputs:
         compiled = self._compiled.pop(key, None)
         if compiled is None:
             self.prepare()
-            compiled = self._compiler.compile_grammar(_parsed_grammar(key))
+            grammar = _parsed_grammar(key)
+            try:
+                compiled = self._compiler.compile_grammar(grammar)
+            except Exception as error:    # one that parses yet does not compile (a string's minLength < 0): the
+                # request's refusal, never the engine's death (compiled before any engine state is touched)
+                words = _xgrammar_words(error)
+                raise ValueError(f"structured_outputs.{key[0]} cannot be compiled: {words}") from None
             if len(self._compiled) >= MAX_CACHED_GRAMMARS:
                 self._compiled.pop(next(iter(self._compiled)))
         self._compiled[key] = compiled      # most recent last

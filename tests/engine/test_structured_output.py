@@ -155,6 +155,14 @@ def test_malformed_constraints_are_refused_before_anything_runs(llm):
             llm.generate(["hello", "world"], [SamplingParams(), SamplingParams(structured_outputs=params)],
                          use_tqdm=False)
         assert llm.is_finished()        # the good request in the same call never started either
+    # xgrammar parses this schema yet cannot compile it: still a refusal, and the engine goes on
+    uncompilable = StructuredOutputsParams(json={"type": "string", "minLength": -1})
+    with pytest.raises(ValueError, match="structured_outputs.json cannot be compiled: .*-1"):
+        llm.generate(["hello", "world"], [SamplingParams(), SamplingParams(structured_outputs=uncompilable)],
+                     use_tqdm=False)
+    assert llm.is_finished()
+    [output] = llm.generate(["hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(output["token_ids"]) == 3
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
 

@@ -46,6 +46,9 @@ CLOCK = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
                    "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}}}}
 TOOLS = [WEATHER, CLOCK]
+UNCOMPILABLE = {"type": "string", "minLength": -1}
+UNCOMPILABLE_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": UNCOMPILABLE}, "required": ["a"]}}}
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
 
@@ -159,6 +162,13 @@ def test_json_object_choice_regex_and_grammar(tools_server):
     ("/v1/chat/completions", {"structured_outputs": {"regex": "[a-"}}),
     ("/v1/completions", {"structured_outputs": {"grammar": "root ::= "}}),
     ("/v1/completions", {"structured_outputs": {"json": {"type": "string", "minLength": "three"}}}),
+    # xgrammar parses these, then cannot compile them (in the engine's process, which once died of it)
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "array", "items": UNCOMPILABLE}}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": UNCOMPILABLE}}}),
+    ("/v1/chat/completions", {"tools": [UNCOMPILABLE_TOOL], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"tools": [UNCOMPILABLE_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}),
 ])
 def test_what_the_engine_cannot_compile_is_a_400(tools_server, path, field):
     base = {"messages": ask("hi")} if "chat" in path else {"prompt": "hi"}
@@ -167,6 +177,8 @@ def test_what_the_engine_cannot_compile_is_a_400(tools_server, path, field):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert httpx.get(f"{tools_server.url}/health", timeout=10).status_code == 200
+    after = httpx.post(f"{tools_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2, after.text
 
 
 # ---- tools ------------------------------------------------------------------------------------------
