@@ -34,8 +34,8 @@ def as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, (ValueError, TypeError)):
         return APIError(str(error))
-    if isinstance(error, EngineDeadError):
-        return APIError(str(error), status=503, type="server_error", code="engine_dead")
+    if isinstance(error, EngineDeadError):     # its first line: the engine's traceback is for the server's log
+        return APIError(str(error).splitlines()[0], status=503, type="server_error", code="engine_dead")
     return APIError(f"internal server error: {type(error).__name__}: {error}", status=500, type="server_error")
 
 

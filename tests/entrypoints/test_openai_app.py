@@ -323,14 +323,18 @@ def test_engine_dead(fake_engine):
         while len(fake_engine.requests) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)     # a few steps: the streams have begun
-        fake_engine.die("the engine process exited (exit code -9)")
+        # the engine's traceback (engine_core's Fatal) goes to the server's log, not to the clients
+        fake_engine.die("the engine process exited (exit code -9)\n--- in the engine process ---\n"
+                        "Traceback (most recent call last):\n  File \"engine.py\", line 1")
         for thread in threads:
             thread.join(10)
         error = assert_error(results["plain"], 503)
         assert error["code"] == "engine_dead" and error["type"] == "server_error" and "exit code -9" in error["message"]
+        assert error["message"] == "the engine has stopped: the engine process exited (exit code -9)"
         for name in ("stream", "n"):
             *_, last = chunks = events(results[name])
             assert last["error"]["code"] == "engine_dead" and "exit code -9" in last["error"]["message"]
+            assert "Traceback" not in last["error"]["message"]
             assert all("choices" in chunk for chunk in chunks[:-1])
         assert assert_error(client.post("/v1/completions", json={"prompt": "a"}), 503)["code"] == "engine_dead"
         assert_error(client.get("/health"), 503)
