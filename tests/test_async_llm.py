@@ -4,6 +4,7 @@ requests come and go while others run; abort (or leaving the `async for`) frees 
 once; refusals raise before anything is yielded; tensor parallelism works behind it; shutdown leaves no
 process behind."""
 import asyncio
+import importlib.util
 
 import pytest
 
@@ -183,20 +184,44 @@ def test_structured_outputs_stream_and_a_bad_one_is_refused_in_the_callers_proce
         asyncio.run(refused())
 
 
-def test_the_figures_settle_to_idle_when_a_stop_string_ends_the_last_completion(engine):
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3,
+                                                        "adaptive": False}], ids=["plain", "ngram"])
+def test_the_figures_settle_to_idle_when_a_stop_string_ends_the_last_completion(tiny_model, engine,
+                                                                                 speculative_config):
     """A stop string found in the frontend ends the last running completion (FinishCompletion); the step
-    in flight then collects nothing new. The engine's figures must still come back idle: no request
-    running, no KV block in use (the soak saw /metrics stuck at 4 running, 15 blocks)."""
+    in flight, if any, then collects nothing new, and a speculating engine (which collects each step before
+    the next) has no step left at all. The engine's figures must still come back idle: no request running,
+    no KV block in use (the soak saw /metrics stuck at 4 running, 15 blocks; a speculating server at 1
+    running, 19 blocks)."""
     import time
-    params = SamplingParams(temperature=0.0, max_tokens=200, stop=["a", "e", "o", "i", "u", " "], ignore_eos=True)
-    for i in range(4):      # greedy on these prompts meets a stop string (a fifth never does)
-        texts, _, outputs = asyncio.run(collect(engine, [5, 6, 7, i], params, f"stop-{i}"))
-        assert outputs[-1].finished and outputs[-1].output["finish_reason"] == "stop"
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and (engine.stats().get("num_used_blocks") or engine.stats().get("num_running")):
-            time.sleep(0.01)
-        stats = engine.stats()
-        assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+
+    def run(engine):
+        params = SamplingParams(temperature=0.0, max_tokens=200, stop=["a", "e", "o", "i", "u", " "],
+                                ignore_eos=True)
+        # greedy on these prompts meets a stop string (a fifth never does)
+        requests = [([5, 6, 7, i], params) for i in range(4)]
+        if speculative_config is not None and importlib.util.find_spec("xgrammar") is not None:
+            # a choice that repeats the prompt: n-gram drafts are accepted, steps are verified one at a time,
+            # so no step is in flight when the stop string ends the completion
+            passage = "the fox jumps again, and then the fox sleeps under a tree"
+            forced = SamplingParams(temperature=0.0, max_tokens=150, stop=["jumps again"],
+                                    structured_outputs=StructuredOutputsParams(choice=[passage]))
+            requests.append((f"Repeat: {passage}\nAgain: {passage}\nAgain: ", forced))
+        for i, (prompt, params) in enumerate(requests):
+            texts, _, outputs = asyncio.run(collect(engine, prompt, params, f"stop-{i}"))
+            assert outputs[-1].finished and outputs[-1].output["finish_reason"] == "stop"
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and (engine.stats().get("num_used_blocks")
+                                                   or engine.stats().get("num_running")):
+                time.sleep(0.01)
+            stats = engine.stats()
+            assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    if speculative_config is None:
+        run(engine)
+    else:
+        with AsyncLLM(str(tiny_model), device="cpu", max_model_len=256,
+                      speculative_config=speculative_config) as speculating:
+            run(speculating)
 
 
 def test_refusals_raise_before_anything_runs_and_the_engine_goes_on(engine):

@@ -64,6 +64,8 @@ class EngineCore:
             self.conn.send(Stats(self.stats()))     # its blocks are free now, whether or not a step follows
         elif isinstance(message, FinishCompletion):
             self._finish_completion(message.request_id, message.index)
+            if self.engine.is_finished():       # no step follows to send the figures (none is in flight where
+                self.conn.send(Stats(self.stats()))     # each step was collected before the next: speculation)
         elif isinstance(message, Shutdown):
             return False
         return True
