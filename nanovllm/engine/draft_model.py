@@ -9,8 +9,9 @@ and plain decode step the target runs (ModelRunner.run calls `after_forward` and
 step's inputs and attention metadata), so it holds valid K/V wherever the target does but at one place: when a
 sequence's k drafts are all accepted, the draft never computed the last draft's K/V. So each proposal starts
 one token back, at num_cached_tokens - 1 (its K/V rewritten with the same token), and computes up to the last
-token: usually two tokens. (The prefix cache publishes no block from the one with that hole on until a
-proposal has filled it: BlockManager.hold_back.)
+token: usually two tokens; where plain steps came after such a hole (the adaptive policy), it starts at the
+hole and computes those steps' tokens again, since they attended to it. (The prefix cache publishes no block
+from the one with that hole on until a proposal has filled it: BlockManager.hold_back.)
 
 A proposal: pass 1 computes those tokens and drafts token 1 from its last row; pass j computes draft j - 1 at
 its position (its slot reserved by reserve_lookahead before the drafting) and drafts token j. A greedy row

@@ -128,11 +128,14 @@ class SpeculativeDecoding:
                 budget -= lengths[-1]
             if not any(lengths):
                 return [[] for _ in seqs]
-            # the tokens the draft computes first (draft_model.py): one back from the target's cached ones
-            drafts = self.draft_model(seqs, lengths, [seq.token_ids[seq.num_cached_tokens - 1:] for seq in seqs])
-            for seq, n in zip(seqs, lengths):
+            # the tokens the draft computes first (draft_model.py): one back from the target's cached ones, or
+            # from its unwritten position if plain steps came after it (theirs attended to it: computed again)
+            starts = [min(seq.num_cached_tokens - 1, self.block_manager.held_back.get(seq.seq_id, seq.num_tokens))
+                      for seq in seqs]
+            drafts = self.draft_model(seqs, lengths, [seq.token_ids[start:] for seq, start in zip(seqs, starts)])
+            for seq, n, start in zip(seqs, lengths, starts):
                 if n:
-                    self.block_manager.drafter_wrote_from(seq, seq.num_cached_tokens - 1)
+                    self.block_manager.drafter_wrote_from(seq, start)
             return drafts
         drafts = self.proposer.propose(seqs, room)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
