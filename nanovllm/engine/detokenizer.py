@@ -115,7 +115,7 @@ class IncrementalDetokenizer:
             return None
         searched = self._tail + new_text
         self._tail = searched[-self._lookback:] if self._lookback else ""
-        if self.num_tokens < self.min_tokens:
+        if self.num_tokens <= self.min_tokens:     # vLLM's rule: a stop string must end past min_tokens tokens
             return None
         return self._find_stop(searched, len(new_text), self._length - len(searched))
 
@@ -221,7 +221,8 @@ class IncrementalDetokenizer:
     # ---- stop strings ---------------------------------------------------------------------------------
     def _find_stop(self, searched: str, num_new: int, start: int) -> str | None:
         """The stop string starting earliest in `searched` (ties: the first listed) among those that end
-        in its last num_new characters (the new text: a stop completed before min_tokens never counts);
+        in its last num_new characters (the new text: a stop completed by the first min_tokens tokens never
+        counts);
         the text is cut at it."""
         found = None
         for stop in self.stop:

@@ -137,10 +137,12 @@ def test_min_tokens_delays_stop_strings(tok, prompt):
                 return n, detok.text
         return None, detok.text
 
+    # as vLLM: a stop string counts once it ends in a token past the first min_tokens
     assert run("fox", 0) == (2, " the ")
-    assert run("fox", 2) == (2, " the ")                     # checked on the call that reaches min_tokens
-    assert run("fox", 3) == (6, " the fox ran and the ")     # the first fox came too early
-    assert run("fox ran", 3) == (3, " the ")                 # the lookback still sees text from before min_tokens
+    assert run("fox", 1) == (2, " the ")
+    assert run("fox", 2) == (6, " the fox ran and the ")     # completed by the 2nd token: too early
+    assert run("fox ran", 2) == (3, " the ")                 # the lookback still sees text from before min_tokens
+    assert run("fox ran", 3) == (None, " the fox ran and the fox sat")
     assert run("fox", 8) == (None, " the fox ran and the fox sat")
 
 

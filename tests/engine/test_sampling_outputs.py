@@ -291,12 +291,12 @@ def boundary_stop(text, offsets):
 
 
 def expected_stop(text, offsets, stop, min_tokens=0):
-    """(text, number of tokens) where the first occurrence of `stop` completed at or after min_tokens ends
-    the greedy answer; None when no occurrence qualifies."""
+    """(text, number of tokens) where the first occurrence of `stop` completed past the first min_tokens
+    tokens ends the greedy answer (vLLM's rule); None when no occurrence qualifies."""
     start = text.find(stop)
     while start >= 0:
         needed = tokens_to_reach(offsets, start + len(stop))
-        if needed >= min_tokens:
+        if needed > min_tokens:
             return text[:start], needed
         start = text.find(stop, start + 1)
     return None
@@ -311,6 +311,8 @@ def test_stop_strings_cut_the_text_at_their_first_occurrence(smol, smol_greedy):
     # min_tokens past the stop string's first occurrence: it is not matched there
     min_tokens = num + 2
     deferred = expected_stop(text, offsets, stop, min_tokens)
+    # min_tokens exactly the tokens that complete its first occurrence: too early still (vLLM's rule)
+    deferred_at = expected_stop(text, offsets, stop, num)
     cases = {
         "one": SamplingParams(temperature=0.0, max_tokens=SMOL_MAX_TOKENS, stop=stop),
         "included": SamplingParams(temperature=0.0, max_tokens=SMOL_MAX_TOKENS, stop=[stop],
@@ -318,6 +320,7 @@ def test_stop_strings_cut_the_text_at_their_first_occurrence(smol, smol_greedy):
         "earliest": SamplingParams(temperature=0.0, max_tokens=SMOL_MAX_TOKENS, stop=[later, stop]),
         "never": SamplingParams(temperature=0.0, max_tokens=SMOL_MAX_TOKENS, stop=["zebra", NEVER]),
         "min_tokens": SamplingParams(temperature=0.0, max_tokens=SMOL_MAX_TOKENS, stop=[stop], min_tokens=min_tokens),
+        "min_tokens_at": SamplingParams(temperature=0.0, max_tokens=SMOL_MAX_TOKENS, stop=[stop], min_tokens=num),
         "at_the_limit": SamplingParams(temperature=0.0, max_tokens=num, stop=stop),     # the stop string wins
     }
     outs = dict(zip(cases, smol.generate([prompt] * len(cases), list(cases.values()), use_tqdm=False)))
@@ -335,13 +338,14 @@ def test_stop_strings_cut_the_text_at_their_first_occurrence(smol, smol_greedy):
     assert (never["finish_reason"], never["stop_reason"]) == ("length", None)
     assert never["token_ids"] == tokens and never["text"] == text
 
-    late = outs["min_tokens"]
-    assert len(late["token_ids"]) >= min_tokens
-    if deferred is None:
-        assert (late["finish_reason"], late["stop_reason"], late["token_ids"]) == ("length", None, tokens)
-    else:
-        assert (late["text"], late["token_ids"]) == (deferred[0], tokens[:deferred[1]])
-        assert (late["finish_reason"], late["stop_reason"]) == ("stop", stop)
+    for name, at_least, expected in (("min_tokens", min_tokens, deferred), ("min_tokens_at", num, deferred_at)):
+        late = outs[name]
+        assert len(late["token_ids"]) > at_least, name
+        if expected is None:
+            assert (late["finish_reason"], late["stop_reason"], late["token_ids"]) == ("length", None, tokens), name
+        else:
+            assert (late["text"], late["token_ids"]) == (expected[0], tokens[:expected[1]]), name
+            assert (late["finish_reason"], late["stop_reason"]) == ("stop", stop), name
 
 
 def test_min_tokens_defers_a_short_stop_string_listed_with_a_long_one(smol, smol_greedy):
