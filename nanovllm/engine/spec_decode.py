@@ -174,6 +174,7 @@ class SpeculativeDecoding:
                     stop_token = token_id
                     break
             seq.num_cached_tokens = min(computed, seq.num_tokens)
+            self.scheduler.num_decoded_tokens += count - 1      # the accepted drafts kept (the row counted one)
             if self.draft_leaves_last and draft and accepted == len(draft):
                 # the draft model never computed its last draft's K/V: its next proposal does (draft_model.py)
                 self.block_manager.hold_back(seq, computed - 1)

@@ -229,6 +229,18 @@ def test_max_tokens_ends_inside_an_accepted_run_exactly(self3, plain):
     assert_idle(self3)
 
 
+def test_the_figures_count_accepted_drafts_as_decoded_tokens(self3, plain):
+    """llm.stats' num_decoded_tokens counts the tokens decode steps gave, accepted drafts included: under
+    speculation as much as without (each completion's first token is its prefill's)."""
+    def decoded(llm) -> int:
+        before = llm.stats["num_decoded_tokens"]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert all(len(out["token_ids"]) == MAX_TOKENS for out in outputs)
+        return llm.stats["num_decoded_tokens"] - before
+    assert decoded(self3) == decoded(plain) == len(PROMPTS) * (MAX_TOKENS - 1)
+    assert self3.stats["spec_decode_accepted_tokens"] > 0
+
+
 def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it(self3, plain, greedy_reference):
     """Each prompt stops on tokens of its greedy completion at positions 2 to 13 (their first occurrence
     there): with nearly every draft accepted, most come as accepted drafts inside a run; the completion
