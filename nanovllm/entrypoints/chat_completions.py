@@ -15,6 +15,7 @@ from nanovllm.entrypoints.chat_protocol import ChatChoice, ChatCompletionChunk, 
 from nanovllm.entrypoints.errors import APIError
 from nanovllm.entrypoints.logprobs import TokenTexts, chat_logprobs
 from nanovllm.entrypoints.protocol import ChatLogprobs, UsageInfo
+from nanovllm.entrypoints.reasoning_parsers import reasoning_parser
 from nanovllm.entrypoints.server_state import Serving, new_id, now, outputs_of, stream_error
 from nanovllm.entrypoints.streams import SSE_DONE, EventStream, sse
 from nanovllm.entrypoints.structured_requests import chat_structured_outputs, tool_plan
@@ -44,14 +45,18 @@ class _ChatCompletion:
             raise APIError(str(error), param="messages") from None
         defaults = engine.get_default_sampling_params()
         self.job = serving.job(prompt, lambda max_tokens: body.sampling_params(
-            defaults, max_tokens, body.num_logprobs, structured_outputs=structured_outputs), body.max_new_tokens)
-        self.prompt_tail = ""
+            defaults, max_tokens, body.num_logprobs, structured_outputs=structured_outputs), body.max_new_tokens,
+            body.max_new_tokens_param)
+        self.prompt_text = ""      # what the reasoning parser reads of the prompt: its end, or all of it
         if options.reasoning_parser:
-            self.prompt_tail = engine.tokenizer.decode(self.job.prompt_token_ids[-PROMPT_TAIL_TOKENS:],
-                                                       skip_special_tokens=False)
+            ids = self.job.prompt_token_ids
+            if not reasoning_parser(options.reasoning_parser).reads_whole_prompt:
+                ids = ids[-PROMPT_TAIL_TOKENS:]
+            # decoded as the engine's ReasoningGate decodes the prompt (special tokens kept), so both agree
+            self.prompt_text = engine.tokenizer.decode(ids, skip_special_tokens=False)
 
     def parser(self) -> ChatOutputParser:
-        return ChatOutputParser.for_request(self.options.reasoning_parser, self.prompt_tail, self.plan.mode,
+        return ChatOutputParser.for_request(self.options.reasoning_parser, self.prompt_text, self.plan.mode,
                                             self.options.tool_call_parser, self.plan.function)
 
     def logprobs(self, token_ids: list[int], logprobs: list | None) -> ChatLogprobs | None:

@@ -117,6 +117,11 @@ class ChatCompletionRequest(ChatTemplateInputs, SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def max_new_tokens_param(self) -> str:
+        """The field max_new_tokens comes from, for an error to name."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None without logprobs, else top_logprobs (0 by default)."""
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -36,7 +36,9 @@ class _Completions:
                                         prompt_logprobs=echo_logprobs, structured_outputs=structured_outputs)
 
         prompts = body.prompts
-        self.jobs: list[Job] = [serving.job(p, make_params, 1 if self.prompt_only else body.max_tokens)
+        # only a max_tokens the client sent must fit: the default (16) is capped to the room, as before
+        checked = "max_tokens" if "max_tokens" in body.model_fields_set and not self.prompt_only else None
+        self.jobs: list[Job] = [serving.job(p, make_params, 1 if self.prompt_only else body.max_tokens, checked)
                                 for p in prompts]
         # what echo shows: the prompt as given, or its tokens' text
         self.echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(job.prompt_token_ids)

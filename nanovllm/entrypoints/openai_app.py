@@ -8,8 +8,10 @@ With an API key, every /v1 path wants `Authorization: Bearer KEY` (the others st
 `build_app` only builds the app; `nanovllm serve` (serve_command.py) runs it."""
 import hmac
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanovllm.entrypoints.chat_completions import create_chat_completion, render_prompt
 from nanovllm.entrypoints.chat_protocol import ChatCompletionRequest, TokenizeRequest
@@ -22,17 +24,30 @@ from nanovllm.entrypoints.server_state import ChatOptions, Serving, now
 from nanovllm.entrypoints.streams import unless_disconnected
 
 
-def _api_key_check(api_key: str | None):
-    expected = f"Bearer {api_key}".encode()
+class APIKeyMiddleware:
+    """Every /v1 path wants `Authorization: Bearer KEY` (vLLM's rule: the other paths stay open; a CORS
+    preflight, OPTIONS, is let through). Checked here, before routing, so that a request without the key
+    is a 401 whatever its body: a route's dependency would run only after FastAPI read and validated the
+    body, answering a malformed one with 400 first and telling a stranger about the API."""
 
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):    # in constant time: no guessing it byte by byte
-            raise APIError("missing or wrong API key: send the header `Authorization: Bearer <key>`",
-                           status=401, code="invalid_api_key")
-    return check
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._guarded(scope):
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("authorization", "").encode()
+        if not hmac.compare_digest(given, self.expected):     # in constant time: no guessing it byte by byte
+            response = APIError("missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                                status=401, code="invalid_api_key").response()
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _guarded(scope: Scope) -> bool:
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        return path == "/v1" or path.startswith("/v1/")
 
 
 def build_app(engine, served_model_name: str, api_key: str | None = None,
@@ -44,7 +59,9 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     app = FastAPI(title="nanovllm", summary="an OpenAI-compatible server over nanovllm.AsyncLLM")
     app.state.end_requests = serving.in_flight.abort_all
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
     created = now()
 
     @v1.get("/models")

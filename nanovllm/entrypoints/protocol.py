@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128     # OpenAI's limit on completions per prompt
+# a seed is a torch int64 (vLLM bounds it so too): a larger one would wrap around, not be refused
+MIN_SEED, MAX_SEED = -2 ** 63, 2 ** 63 - 1
 
 
 def _is_int(value) -> bool:
@@ -38,7 +40,7 @@ class SamplingRequest(RequestModel):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

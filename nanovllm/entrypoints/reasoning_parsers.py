@@ -5,6 +5,9 @@ the whole text at once gives, so a stream adds up to the non-streamed response.
 
     deepseek_r1  the template opens the thinking: the output is reasoning until `</think>` (an opening
                  `<think>` the model writes itself is dropped), then content; no `</think>`: all reasoning.
+                 A prompt whose last marker is `</think>` (an earlier turn's thinking kept, an empty
+                 thought closed by the template) has closed it: the output is content from its start, as
+                 the engine's structured-output gate (ReasoningGate) reads that prompt.
     qwen3        the model opens the thinking itself: an output that starts with `<think>` is reasoning
                  until `</think>`, then content; any other output is content. A prompt that ends inside
                  a `<think>` (Qwen3 thinking-only templates append one) makes it read as deepseek_r1.
@@ -26,6 +29,9 @@ def held_prefix(text: str, marker: str) -> int:
 class ReasoningParser:
     """Splits one completion's text; `feed` per delta, then `finish` once."""
     name = ""
+    # the prompt text opens_in_reasoning is given: its last few tokens (chat_completions.PROMPT_TAIL_TOKENS),
+    # or with reads_whole_prompt all of it
+    reads_whole_prompt = False
 
     def __init__(self, prompt_text: str = ""):
         self.start, self.end = REASONING_MARKERS[self.name]
@@ -79,6 +85,13 @@ class ReasoningParser:
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
+    reads_whole_prompt = True       # the closing marker may be turns back, far from the prompt's end
+
+    def opens_in_reasoning(self, prompt_text: str) -> bool:
+        """Unless the prompt's last marker is `</think>`: the engine's ReasoningGate then constrains the
+        output (structured outputs, forced tool calls) from its first token, so that output is the answer.
+        No marker in the prompt: reasoning, R1's way (its template may open the thinking or not)."""
+        return prompt_text.rfind(self.end) <= prompt_text.rfind(self.start)
 
 
 class Qwen3ReasoningParser(ReasoningParser):

@@ -56,15 +56,20 @@ class Serving:
                            status=404, type="invalid_request_error", param="model", code="model_not_found")
 
     def job(self, prompt: str | list[int], make_params: Callable[[int], SamplingParams],
-            max_tokens: int | None) -> Job:
+            max_tokens: int | None, max_tokens_param: str | None = "max_tokens") -> Job:
         """Check one prompt with the engine, once: the job runs with the checked token ids (generate is
         not asked to check them again). max_tokens None: whatever room max_model_len leaves the prompt (as
-        SamplingParams takes None; after truncate_prompt_tokens)."""
+        SamplingParams takes None; after truncate_prompt_tokens). A max_tokens the client sent in the field
+        `max_tokens_param` is refused (400) where the prompt leaves no room for it, as vLLM's server refuses
+        it; max_tokens_param None: a default the client did not ask for, capped to the room by the engine."""
         try:
             params = make_params(max_tokens)
-            return Job(self.engine.check_request(prompt, params), params)
+            token_ids = self.engine.check_request(prompt, params)
         except (ValueError, TypeError) as error:
             raise APIError(str(error)) from None
+        if max_tokens_param is not None:
+            check_room(len(token_ids), max_tokens, self.engine.max_model_len, max_tokens_param)
+        return Job(token_ids, params)
 
     def run(self, request_id: str, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
         """(job index, engine output) as they come, every job running at once."""
@@ -82,6 +87,18 @@ class Serving:
             await outputs.aclose()
             raise APIError(str(error)) from None
         return first, outputs
+
+
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+               param: str = "max_tokens") -> None:
+    """Refuse a max_tokens longer than the room max_model_len leaves the prompt (vLLM's check and message).
+    The engine would cap it silently (the offline LLM's behaviour); a server's client asked for that
+    many tokens and is told at once instead of getting a completion cut short with "length"."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                       f"maximum context length is {max_model_len} tokens and your request has "
+                       f"{num_prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {num_prompt_tokens}).",
+                       param=param)
 
 
 async def outputs_of(first: tuple[int, object], rest: AsyncIterator) -> AsyncIterator[tuple[int, object]]:

@@ -299,6 +299,94 @@ def test_api_key(fake_engine):
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
 
+@pytest.mark.parametrize("body", [
+    "{bad json",                        # not JSON
+    '{"prompt": 5}',                    # JSON, but not a valid request
+    '{"prompt": "a", "max_tokens": 2}',
+])
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "sesame"])
+def test_api_key_is_checked_before_the_body(fake_engine, body, authorization):
+    """Without the right key, any /v1 request is a 401, whatever its body: a stranger learns nothing of
+    how the API reads a request (a malformed one is a 400 only for a client with the key)."""
+    headers = {"content-type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    with TestClient(build_app(fake_engine, "fake", api_key="sesame")) as client:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/no-such-path"):
+            error = assert_error(client.post(path, content=body, headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+        assert fake_engine.checks == [] and fake_engine.requests == {}
+        keyed = {**headers, "Authorization": "Bearer sesame"}
+        assert_error(client.post("/v1/completions", content="{bad json", headers=keyed), 400)
+        assert_error(client.post("/v1/completions", content='{"prompt": 5}', headers=keyed), 400, "prompt")
+        assert client.post("/tokenize", content="{bad json", headers=headers).status_code == 400   # not /v1: open
+
+
+SEED_RANGE = (-2 ** 63, 2 ** 63 - 1)     # torch's int64, as vLLM bounds it
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("seed", [2 ** 63, 2 ** 64, 2 ** 70, -2 ** 63 - 1, -2 ** 70])
+def test_seed_outside_int64_is_refused(client, fake_engine, path, seed):
+    """A seed no int64 holds is a 400 naming `seed`, not wrapped around into another seed."""
+    base = {"prompt": "a"} if path == "/v1/completions" else {"messages": CHAT}
+    assert_error(client.post(path, json={**base, "max_tokens": 2, "seed": seed}), 400, "seed")
+    assert fake_engine.requests == {}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_seed_at_the_int64_bounds_is_taken(client, fake_engine, path):
+    base = {"prompt": "a"} if path == "/v1/completions" else {"messages": CHAT}
+    for seed in SEED_RANGE:
+        assert client.post(path, json={**base, "max_tokens": 2, "seed": seed}).status_code == 200
+    assert [params.seed for params in fake_engine.requests.values()] == list(SEED_RANGE)
+
+
+def too_large(max_tokens: int, prompt_tokens: int, max_model_len: int = 64) -> str:
+    """vLLM's message, word for word."""
+    return (f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_tokens}).")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_max_tokens_past_the_context_is_refused(client, fake_engine, stream):
+    """prompt + max_tokens > max_model_len is a 400 before anything runs (vLLM's server), not a completion
+    silently cut at max_model_len; every prompt of the request is checked. max_tokens null: the room left."""
+    post = lambda **body: client.post("/v1/completions", json={"stream": stream, **body})   # noqa: E731
+    prompt = list(range(1, 41))                         # 40 tokens of the 64
+    error = assert_error(post(prompt=prompt, max_tokens=25), 400, "max_tokens")
+    assert error["message"] == too_large(25, 40)
+    error = assert_error(post(prompt=[[1, 2], prompt], max_tokens=25), 400, "max_tokens")    # the second prompt's
+    assert error["message"] == too_large(25, 40)
+    assert_error(post(prompt="x" * 60, max_tokens=10 ** 6), 400, "max_tokens")
+    assert fake_engine.requests == {}
+    assert post(prompt=prompt, max_tokens=24).status_code == 200           # exactly fills the context
+    assert post(prompt=prompt, max_tokens=None).status_code == 200
+    assert post(prompt=prompt, max_tokens=0, echo=True).status_code == 200    # the prompt alone: no room needed
+    # max_tokens left out: OpenAI's default of 16, which the engine caps to the room left (12 here), as
+    # before; only a max_tokens the client sent must fit (vLLM checks the default too)
+    assert post(prompt=list(range(1, 53))).status_code == 200
+    assert [params.max_tokens for params in fake_engine.requests.values()] == [24, None, 1, 16]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_max_tokens_past_the_context_is_refused(client, fake_engine, stream):
+    """As for completions, naming the field the request used; neither given: up to max_model_len."""
+    prompt_tokens = len(fake_engine.chat_prompt(CHAT))
+    room = fake_engine.max_model_len - prompt_tokens
+    def post(**body):
+        return client.post("/v1/chat/completions", json={"messages": CHAT, "stream": stream, **body})
+    error = assert_error(post(max_completion_tokens=room + 1), 400, "max_completion_tokens")
+    assert error["message"] == too_large(room + 1, prompt_tokens)
+    assert_error(post(max_tokens=room + 1), 400, "max_tokens")
+    assert_error(post(max_tokens=2, max_completion_tokens=room + 1), 400, "max_completion_tokens")   # it wins
+    assert fake_engine.requests == {}
+    assert post(max_completion_tokens=room).status_code == 200
+    assert post().status_code == 200
+    assert [params.max_tokens for params in fake_engine.requests.values()] == [room, None]
+
+
 def test_health_when_engine_stopped(client, fake_engine):
     fake_engine.shutdown()
     assert_error(client.get("/health"), 503)

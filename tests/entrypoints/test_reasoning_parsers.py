@@ -12,6 +12,11 @@ pytestmark = pytest.mark.cpu_only     # text parsing only
 QWEN3_THINKING_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 QWEN3_NO_THINKING_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
+R1_CLOSED_PROMPT = ("<｜User｜>hi<｜Assistant｜><think>greet back</think>Hello!<｜end▁of▁sentence｜>"
+                    "<｜User｜>What is the weather in Oslo today?<｜Assistant｜>")
+R1_EMPTY_THOUGHT_PROMPT = "<｜User｜>2+2?<｜Assistant｜><think>\n\n</think>\n\n"
+R1_OPEN_PROMPT = R1_CLOSED_PROMPT + "<think>\n"
+
 CASES = [   # (parser, prompt, output, (reasoning, content))
     (Qwen3ReasoningParser, "", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "\n\nParis.")),
     (Qwen3ReasoningParser, "", "Paris.", (None, "Paris.")),
@@ -27,6 +32,13 @@ CASES = [   # (parser, prompt, output, (reasoning, content))
     (DeepSeekR1ReasoningParser, "", "no end marker at all", ("no end marker at all", None)),
     (DeepSeekR1ReasoningParser, "", "a</think>b</think>c", ("a", "b</think>c")),
     (DeepSeekR1ReasoningParser, "", "", (None, None)),
+    # the prompt's last marker closes the thinking (an earlier turn's kept, an empty one the template closed):
+    # the output is the answer from its start
+    (DeepSeekR1ReasoningParser, R1_CLOSED_PROMPT, '{"city": "Oslo"}', (None, '{"city": "Oslo"}')),
+    (DeepSeekR1ReasoningParser, R1_EMPTY_THOUGHT_PROMPT, "4</think>", (None, "4</think>")),
+    (DeepSeekR1ReasoningParser, R1_CLOSED_PROMPT, "<think>step</think>4", ("step", "4")),   # the model reopens it
+    # ... and its last marker opening one: reasoning, as with no marker at all
+    (DeepSeekR1ReasoningParser, R1_OPEN_PROMPT, "step</think>4", ("step", "4")),
 ]
 
 
@@ -69,6 +81,26 @@ def test_held_prefix():
     assert held_prefix("abc<", "</think>") == 1
     assert held_prefix("abc", "</think>") == 0
     assert held_prefix("</think>", "</think>") == 0      # a whole marker is found, not held
+
+
+class CharTokenizer:
+    """Token ids that are characters: the gate decodes the prompt to the prompt."""
+
+    def decode(self, ids: list[str]) -> str:
+        return "".join(ids)
+
+
+@pytest.mark.parametrize("prompt", ["", "no markers", R1_CLOSED_PROMPT, R1_EMPTY_THOUGHT_PROMPT, R1_OPEN_PROMPT,
+                                    "</think>", "<think>", "</think><think>", "<think></think>",
+                                    "a</think>b<think>c</think>d"])
+def test_deepseek_r1_opens_in_reasoning_exactly_where_the_engines_gate_is_open(prompt):
+    """The engine constrains a structured output (a forced tool call's arguments, a JSON answer) once its
+    ReasoningGate says the thinking ended, from the first token if the prompt ended it; the server must
+    read that output as the answer, not as reasoning, or the answer lands in reasoning_content."""
+    from nanovllm.config import REASONING_MARKERS
+    from nanovllm.engine.structured_output import ReasoningGate
+    gate = ReasoningGate(CharTokenizer(), *REASONING_MARKERS["deepseek_r1"], list(prompt))
+    assert DeepSeekR1ReasoningParser(prompt).opens_in_reasoning(prompt) == (not gate.ended)
 
 
 def test_registry_names_vllms_parsers():

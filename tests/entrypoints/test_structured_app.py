@@ -23,6 +23,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time"}}      # no parameters
 
 
+@pytest.fixture
+def fake_engine(fake_engine):
+    """conftest's, with room for the scripts these tests spell: a max_tokens of 200 past max_model_len
+    would be refused (400)."""
+    fake_engine.max_model_len = 512
+    return fake_engine
+
+
 def app_client(fake_engine, **options) -> TestClient:
     return TestClient(build_app(fake_engine, "fake", chat_options=ChatOptions(**options)))
 
@@ -249,6 +257,45 @@ def test_reasoning_split_streamed_and_not(fake_engine, script, prompt_has_think,
         assert "tool_calls" not in message
         streamed = streamed_message(events(client.post("/v1/chat/completions", json={**body, "stream": True})))
         assert streamed == non_streamed(whole)
+
+
+# an earlier assistant turn sent back with its thinking: the prompt's last reasoning marker is "</think>",
+# more than a few tokens before its end
+CLOSED_THINKING_CHAT = [{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "<think>greet back</think>Hello!"},
+                        {"role": "user", "content": "What is the weather in Oslo today, and tomorrow?"}]
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"tools": [WEATHER], "tool_choice": NAMED_WEATHER},
+     {"content": None, "reasoning": None, "finish_reason": "tool_calls", "tool_calls": [
+         {"id": None, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}),
+    ({"response_format": JSON_FORMAT},
+     {"content": '{"city": "Oslo"}', "reasoning": None, "finish_reason": "stop", "tool_calls": []}),
+])
+def test_deepseek_r1_prompt_that_closed_the_thinking_gets_the_answer_as_content(fake_engine, fields, expected):
+    """deepseek_r1: a prompt whose last marker is "</think>" has ended the thinking; the engine then
+    constrains the output from its first token (ReasoningGate), so that output is the answer: a forced call's
+    arguments, a JSON content; not reasoning_content."""
+    fake_engine.script = '{"city": "Oslo"}'
+    with app_client(fake_engine, reasoning_parser="deepseek_r1") as client:
+        body = {"messages": CLOSED_THINKING_CHAT, "max_tokens": 40, **fields}
+        whole = client.post("/v1/chat/completions", json=body).json()
+        message = non_streamed(whole)
+        assert without_ids(message) == expected
+        streamed = streamed_message(events(client.post("/v1/chat/completions", json={**body, "stream": True})))
+        assert without_ids(streamed) == expected
+
+
+def test_deepseek_r1_output_is_reasoning_until_the_end_marker_otherwise(fake_engine):
+    """No marker in the prompt (R1's template may leave the opening <think> to the model): reasoning first."""
+    fake_engine.script = "Oslo, so rain.</think>Rain."
+    with app_client(fake_engine, reasoning_parser="deepseek_r1") as client:
+        body = {"messages": CLOSED_THINKING_CHAT[-1:], "max_tokens": 40}
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Oslo, so rain.", "Rain.")
 
 
 def test_tool_messages_and_template_kwargs_reach_the_template(hermes, fake_engine):
