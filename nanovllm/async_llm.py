@@ -33,10 +33,12 @@ from nanovllm.utils.histogram import Histogram
 __all__ = ["AsyncLLM", "CompletionDelta", "EngineDeadError", "RequestOutput"]
 
 START_TIMEOUT = 1800.0      # seconds for the engine to load and warm up (a large checkpoint, a cold cache)
+SHUT_DOWN = "shut down (AsyncLLM.shutdown(), or the end of its `with` block)"     # dead_reason after shutdown()
 
 
 class EngineDeadError(RuntimeError):
-    """The engine process died (or failed): every request in flight, and every later one, gets this."""
+    """The engine process died (or failed), or was shut down: every request in flight, and every later one,
+    gets this."""
 
 
 class _Request:
@@ -96,18 +98,43 @@ class AsyncLLM:
         deadline = time.monotonic() + START_TIMEOUT
         while not self._conn.poll(0.1):
             if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})")
+                raise RuntimeError(self._start_failure())
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine did not start within {START_TIMEOUT:.0f} s")
-        message = self._conn.recv()
+        try:
+            message = self._conn.recv()
+        except EOFError:        # it ended without a word: run_engine_core, which reports its failures, never ran
+            raise RuntimeError(self._start_failure()) from None
         if isinstance(message, Ready):
             return message.info
         raise refusal(message.kind, message.message)
 
-    def _send(self, message) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
-        with self._send_lock:
+    def _start_failure(self) -> str:
+        """Why the engine process ended before it was ready, as far as this process can tell."""
+        self._process.join(5.0)
+        code = self._process.exitcode
+        message = f"the engine process exited while starting (exit code {code})"
+        if code == 1:       # an exception before run_engine_core (it sends its own as Fatal): spawn's bootstrap
+            message += (" before the engine began to load; its error is on stderr. Most often the cause: the "
+                        "engine process is spawned and imports your script again, and a script that builds an "
+                        "AsyncLLM (or LLM) when imported fails there. Put the script's work under "
+                        '`if __name__ == "__main__":`')
+        return message
+
+    def _stopped(self) -> EngineDeadError | None:
+        """The error for any call once the engine is gone (died, failed, or shut down), else None."""
+        # _closed as well as dead_reason: shutdown() sets the first at once, _die the second in the loop's thread
+        reason = self.dead_reason or (SHUT_DOWN if self._closed else None)
+        return None if reason is None else EngineDeadError(f"the engine has stopped: {reason}")
+
+    def _send(self, message, best_effort: bool = False) -> None:
+        """best_effort: a message that only saves the engine work (an abort, a completion's end), dropped
+        once the engine is gone rather than raising."""
+        with self._send_lock:       # shutdown() closes under it: nothing is sent after its Shutdown
+            if (error := self._stopped()) is not None:
+                if best_effort:
+                    return
+                raise error
             self._conn.send(message)
 
     def _read(self) -> None:
@@ -148,8 +175,7 @@ class AsyncLLM:
                     self._time(request, update, now)
             touched, stopped = self.processor.process(message.updates)
             for request_id, index in stopped:       # a stop string: the engine stops computing it
-                if self.dead_reason is None:
-                    self._send(FinishCompletion(request_id, index))
+                self._send(FinishCompletion(request_id, index), best_effort=True)
             for request_id in touched:
                 request = self._requests.get(request_id)
                 if request is None:
@@ -167,22 +193,24 @@ class AsyncLLM:
         elif isinstance(message, Fatal):
             self._die(f"{message.kind}: {message.message}")
 
-    def _die(self, reason: str) -> None:
-        """The engine is gone: every request in flight fails with EngineDeadError, then the callbacks run."""
+    def _die(self, reason: str, died: bool = True) -> None:
+        """The engine is gone: every request in flight fails with EngineDeadError, then, if it died (rather
+        than being shut down), the callbacks run. In the event loop's thread (request.ready is not
+        thread-safe)."""
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
         for request in self._requests.values():
             request.error = EngineDeadError(f"the engine has stopped: {reason}")
             request.ready.set()
-        for callback in self._dead_callbacks:
+        for callback in self._dead_callbacks if died else ():
             callback(reason)
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         """Call callback(reason) once, in the event loop's thread, when the engine process dies or fails
         (at once, through the running loop, if it has already)."""
         self._dead_callbacks.append(callback)
-        if self.dead_reason is not None:
+        if self.dead_reason not in (None, SHUT_DOWN):      # shut down is not dead: nothing to report
             try:
                 asyncio.get_running_loop().call_soon(callback, self.dead_reason)
             except RuntimeError:
@@ -219,10 +247,10 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its tokens come; the last has finished=True and the whole output.
         Raises ValueError/TypeError (before yielding) for a request the engine refuses, EngineDeadError
-        once the engine has died. checked_token_ids: the prompt's ids from check_request(prompt,
+        once the engine has died or been shut down. checked_token_ids: the prompt's ids from check_request(prompt,
         sampling_params) (a server that checked the request already; it is not checked again)."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
+        if (error := self._stopped()) is not None:
+            raise error
         if request_id is None:
             request_id = f"request-{next(self._request_counter)}"
         if request_id in self._requests:
@@ -247,8 +275,8 @@ class AsyncLLM:
         finally:
             del self._requests[request_id]
             self.processor.forget(request_id)
-            if not finished and not request.aborted and self.dead_reason is None and not self._closed:
-                self._send(AbortRequest(request_id))     # the caller left early: free its blocks
+            if not finished and not request.aborted:     # the caller left early: free its blocks
+                self._send(AbortRequest(request_id), best_effort=True)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now: the engine frees its blocks before its next step, and the request's
@@ -276,15 +304,18 @@ class AsyncLLM:
 
     # ---- shutdown -----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the engine process (its TP workers with it); safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            with self._send_lock:
+        """Stop the engine process (its TP workers with it); safe to call twice, from any thread. Streams in
+        flight end with EngineDeadError, and so does every later call."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
                 self._conn.send(Shutdown())
-        except OSError:
-            pass
+            except OSError:
+                pass
+        # the streams in flight end now, with EngineDeadError (the reader ignores the pipe's end from here on)
+        self._call_in_loop(self._die, SHUT_DOWN, False)
         self._stop_process()
 
     def _stop_process(self) -> None:

@@ -5,10 +5,14 @@ once; refusals raise before anything is yielded; tensor parallelism works behind
 process behind."""
 import asyncio
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from nanovllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
+from nanovllm import LLM, AsyncLLM, EngineDeadError, SamplingParams, StructuredOutputsParams
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.timeout(300),
@@ -287,3 +291,58 @@ def test_tensor_parallel_behind_the_async_engine(tiny_model):
     with LLM(str(tiny_model), device="cpu", max_model_len=256) as llm:
         offline = llm.generate(prompts, params, use_tqdm=False)
     assert [tokens[0] for _, tokens, _ in streamed] == [o["token_ids"] for o in offline]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["shutdown", "async_with"])
+def test_shutdown_ends_the_streams_in_flight_and_refuses_later_requests(slow_model, how):
+    """Shutting the engine down while requests stream (shutdown() in the loop's thread, or leaving
+    `async with`, which shuts down from another thread): every stream ends promptly with EngineDeadError
+    saying the engine was shut down (they once waited forever), a generate() after it raises the same
+    error before doing anything (it once raised a bare OSError), and no on_dead callback runs (shutting
+    down is not dying)."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)     # seconds on the slow model
+    died = []
+
+    async def stream(engine, request_id: str, outputs: list, started: asyncio.Event) -> None:
+        async for out in engine.generate(list(range(1, 20)), params, request_id):
+            outputs.append(out)
+            started.set()
+
+    async def scenario() -> list:
+        engine = AsyncLLM(str(slow_model), device="cpu", kvcache_block_size=16, max_model_len=256)
+        engine.on_dead(died.append)
+        outputs, started = [[], []], [asyncio.Event(), asyncio.Event()]
+        async with engine:
+            tasks = [asyncio.create_task(stream(engine, f"in-flight-{i}", outputs[i], started[i])) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            if how == "shutdown":
+                engine.shutdown()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        for result, streamed in zip(results, outputs):
+            assert isinstance(result, EngineDeadError) and "the engine has stopped: shut down" in str(result), result
+            assert streamed and not any(out.finished for out in streamed)      # it was in flight
+        assert not engine.is_running and not engine._process.is_alive()
+        with pytest.raises(EngineDeadError, match="the engine has stopped: shut down"):
+            await asyncio.wait_for(stream(engine, "after", [], asyncio.Event()), 10)
+        return died
+    assert asyncio.run(scenario()) == []
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_built_while_its_script_is_imported_says_to_guard_the_script(tiny_model, tmp_path):
+    """A script that builds an AsyncLLM at its top level, without `if __name__ == "__main__":`: the spawned
+    engine process imports the script again and fails before the engine can report anything; the caller's
+    own error says the engine exited while starting and points at the guard (it was a bare EOFError)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from nanovllm import AsyncLLM\n"
+                      f"AsyncLLM({str(tiny_model)!r}, device='cpu', max_model_len=64)\n")
+    root = str(Path(__file__).resolve().parents[1])     # this checkout's nanovllm, in both processes
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
+    # the last line is the caller's exception (the engine process's traceback, also on stderr, comes first)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and last.startswith("RuntimeError: the engine process exited while starting"), \
+        result.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last
