@@ -179,11 +179,12 @@ def test_a_stop_token_inside_an_accepted_run_drops_the_tokens_after_it(spec3, pl
 
 def test_a_stop_string_inside_an_accepted_run_cuts_the_text_as_plain_decoding(spec, plain):
     """min_tokens defers stop strings without banning anything: the completion of 64s (one repeated token)
-    stops at its 19th, deep inside a run of accepted drafts; the tokens after it are dropped."""
+    stops at its 20th, the first past min_tokens, deep inside a run of accepted drafts; the tokens after it
+    are dropped."""
     text = spec.tokenizer.decode([64])
     params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=19, stop=[text], ignore_eos=True)
     out, ref = (llm.generate(REPEATING[:1], params, use_tqdm=False)[0] for llm in (spec, plain))
-    assert ref["token_ids"] == [64] * 19 and ref["finish_reason"] == "stop"
+    assert ref["token_ids"] == [64] * 20 and ref["finish_reason"] == "stop"
     assert (out["token_ids"], out["text"], out["stop_reason"]) == (ref["token_ids"], ref["text"], text)
     assert_idle(spec)
 
