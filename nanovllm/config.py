@@ -2,6 +2,7 @@
 # module (its annotations stay text): the command line lists Config's fields without them (`nanovllm --help`)
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
 
     from nanovllm.layers.quantization import QuantizationMethod
 
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("float32", "float16", "bfloat16")     # names of torch dtypes
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
@@ -78,7 +82,7 @@ class Config:
     model: str
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    max_model_len: int = 4096
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN       # cut to the model's max_position_embeddings
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
@@ -143,7 +147,7 @@ class Config:
         model_cls = model_class(self.hf_config)   # a clear error for architectures and variants we lack
         if "sliding_attention" in (getattr(self.hf_config, "layer_types", None) or []):
             raise ValueError(f"{self.model!r} uses sliding-window attention layers, which are not supported")
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self._fit_max_model_len()
         if hasattr(model_cls, "check_config"):
             model_cls.check_config(self.hf_config, self.tensor_parallel_size, self.max_model_len)
         self._resolve_dtype()
@@ -154,6 +158,15 @@ class Config:
         self._load_draft_config()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def _fit_max_model_len(self) -> None:
+        """Cut to the model's max_position_embeddings (positions past it were never trained), saying so
+        unless it is the default: a length asked for and not given should not go unnoticed."""
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len > limit and self.max_model_len != DEFAULT_MAX_MODEL_LEN:
+            logger.warning("max_model_len=%d is more than the model's max_position_embeddings (%d, in %s): "
+                           "using %d", self.max_model_len, limit, Path(self.model) / "config.json", limit)
+        self.max_model_len = min(self.max_model_len, limit)
 
     def _check_speculative_config(self) -> None:
         """vLLM's names and defaults: n-gram lookup bounds default to each other, or both to 5."""

@@ -1,4 +1,5 @@
 import json
+import logging
 import shutil
 
 import pytest
@@ -16,6 +17,16 @@ def test_resolves_cpu_defaults(tiny_model):
     assert config.max_model_len == 2048            # clamped to max_position_embeddings
     assert config.hf_config.num_hidden_layers == 2
     assert config.eos_token_ids == {config.hf_config.eos_token_id}
+
+
+def test_a_max_model_len_past_the_model_is_cut_to_it_and_said_unless_the_default(tiny_model, caplog):
+    """The model's max_position_embeddings (2048 here) caps max_model_len; a longer one asked for is
+    logged (the default, 4096, is cut quietly)."""
+    with caplog.at_level(logging.WARNING, logger="nanovllm.config"):
+        assert Config(str(tiny_model)).max_model_len == 2048
+        assert not caplog.records
+        assert Config(str(tiny_model), max_model_len=10 ** 6).max_model_len == 2048
+    assert "max_model_len=1000000 is more than the model's max_position_embeddings (2048" in caplog.text
 
 
 def test_kv_cache_dtype_auto_is_the_model_dtype_and_fp8_is_e4m3(tiny_model):

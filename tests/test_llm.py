@@ -127,6 +127,7 @@ GOOD = {"role": "user", "content": "hi"}
     ([[GOOD], [GOOD, {"content": "x"}]], ValueError, "message 1 of conversation 1 lacks 'role'"),
     ([{}], ValueError, "lacks 'role' and 'content'"),
     ([{"role": 1, "content": "hi"}], TypeError, "role .* must be a str"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError, "'image_url'"),
 ])
 def test_bad_messages_raise_before_any_work(tiny, monkeypatch, messages, error, words):
     def no_work(*args, **kwargs):
@@ -136,6 +137,44 @@ def test_bad_messages_raise_before_any_work(tiny, monkeypatch, messages, error, 
     with pytest.raises(error, match=words):
         tiny.chat(messages, GREEDY, use_tqdm=False)
     assert tiny.scheduler.is_finished()
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(chat_template_kwargs="x"), TypeError, "chat_template_kwargs must be a dict"),
+    (dict(continue_final_message=True), ValueError, "add_generation_prompt=False"),     # vLLM refuses both too
+])
+def test_bad_template_arguments_raise_before_any_work(tiny, monkeypatch, kwargs, error, words):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started")
+    monkeypatch.setattr(tiny, "generate", no_work)
+    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", no_work)
+    with pytest.raises(error, match=words):
+        tiny.chat(FRANCE, GREEDY, use_tqdm=False, **kwargs)
+    with pytest.raises(error, match=words):
+        tiny.chat_prompt(FRANCE, **kwargs)
+    assert tiny.scheduler.is_finished()
+
+
+def test_chat_takes_openai_text_parts(tiny):
+    """vLLM's LLM.chat takes content as a list of text parts: the same request as their text joined."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Answer briefly."},
+                                          {"type": "text", "text": "What is the capital of France?"}]}]
+    joined = [{"role": "user", "content": "Answer briefly.\nWhat is the capital of France?"}]    # vLLM's "\n"
+    assert tiny.chat_prompt(parts) == tiny.chat_prompt(joined)
+    assert core(tiny.chat(parts, GREEDY, use_tqdm=False)[0]) == core(tiny.chat(joined, GREEDY, use_tqdm=False)[0])
+
+
+def test_continue_final_message_goes_on_with_the_assistant_turn(smollm2):
+    """vLLM's continue_final_message: the prompt is the conversation up to the final message's last
+    character (no end of turn, no new turn), and the model continues that message."""
+    started = FRANCE + [{"role": "assistant", "content": "The capital of France is"}]
+    closed = rendered_ids(smollm2, started, add_generation_prompt=False)
+    ids = smollm2.chat_prompt(started, add_generation_prompt=False, continue_final_message=True)
+    assert smollm2.tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe capital of France is")
+    assert closed[:len(ids)] == ids and smollm2.tokenizer.decode(closed[len(ids):]) == "<|im_end|>\n"
+    outputs = smollm2.chat(started, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert outputs == smollm2.generate([ids], GREEDY, use_tqdm=False)
+    assert "Paris" in outputs[0]["text"]
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(tiny, monkeypatch):

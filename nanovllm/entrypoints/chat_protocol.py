@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
+from nanovllm.engine.chat_template import TEXT_PART_SEPARATOR
 from nanovllm.entrypoints.protocol import ChatLogprobs, RequestModel, ResponseModel, SamplingRequest, UsageInfo
 from nanovllm.sampling_params import MAX_LOGPROBS
 
@@ -54,7 +55,7 @@ class ChatMessage(RequestModel):
         """The message as the chat template reads it: {"role", "content": text}, and the tool fields given."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = TEXT_PART_SEPARATOR.join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
         if self.tool_calls is not None:
             message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
