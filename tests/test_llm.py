@@ -114,6 +114,15 @@ def test_bad_prompt_forms_raise_before_any_work(tiny, prompts, error, words):
 GOOD = {"role": "user", "content": "hi"}
 
 
+@pytest.fixture
+def no_work(tiny, monkeypatch):
+    """Neither generation nor the template may start: the check comes before both."""
+    def started(*args, **kwargs):
+        raise AssertionError("work started")
+    monkeypatch.setattr(tiny, "generate", started)
+    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", started)
+
+
 @pytest.mark.parametrize("messages, error, words", [
     ("hello", TypeError, "messages must be a list"),
     (({"role": "user", "content": "hi"},), TypeError, "messages must be a list"),
@@ -129,11 +138,7 @@ GOOD = {"role": "user", "content": "hi"}
     ([{"role": 1, "content": "hi"}], TypeError, "role .* must be a str"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError, "'image_url'"),
 ])
-def test_bad_messages_raise_before_any_work(tiny, monkeypatch, messages, error, words):
-    def no_work(*args, **kwargs):
-        raise AssertionError("work started")
-    monkeypatch.setattr(tiny, "generate", no_work)
-    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", no_work)
+def test_bad_messages_raise_before_any_work(tiny, no_work, messages, error, words):
     with pytest.raises(error, match=words):
         tiny.chat(messages, GREEDY, use_tqdm=False)
     assert tiny.scheduler.is_finished()
@@ -143,11 +148,7 @@ def test_bad_messages_raise_before_any_work(tiny, monkeypatch, messages, error, 
     (dict(chat_template_kwargs="x"), TypeError, "chat_template_kwargs must be a dict"),
     (dict(continue_final_message=True), ValueError, "add_generation_prompt=False"),     # vLLM refuses both too
 ])
-def test_bad_template_arguments_raise_before_any_work(tiny, monkeypatch, kwargs, error, words):
-    def no_work(*args, **kwargs):
-        raise AssertionError("work started")
-    monkeypatch.setattr(tiny, "generate", no_work)
-    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", no_work)
+def test_bad_template_arguments_raise_before_any_work(tiny, no_work, kwargs, error, words):
     with pytest.raises(error, match=words):
         tiny.chat(FRANCE, GREEDY, use_tqdm=False, **kwargs)
     with pytest.raises(error, match=words):
