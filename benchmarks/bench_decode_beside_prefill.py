@@ -17,6 +17,12 @@ optionally gives the decode stream the higher priority.
 Printed per variant: each side alone, the two one after the other (`serial`), on two streams (`beside`),
 in ms for K decode steps and one prefill chunk (K chosen so the two sides take about as long), and the
 overlap gain serial / beside (1.00: none; 2.00: one side wholly hidden).
+
+Measured (one H100, 2026-12-08, docs/benchmarks.md's forty-first session, 8 layers): beside gains 0.99-1.04x
+(best 1.03-1.04x with 64 decode rows on a high-priority stream): the two take turns on the SMs. But the
+carve-out was not applied: the check GEMM took 4.13 ms on all 132 SMs and 4.14 told to leave 66 free (torch's
+default F.linear path, cuBLAS not cuBLASLt, ignored the SM count target), so the carved rows measured nothing
+more. --cublaslt routes the GEMMs through cuBLASLt, which the carve-out reaches; not yet run.
 """
 import argparse
 import math
@@ -135,8 +141,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=600, help="mean decode context in tokens")
     parser.add_argument("--chunk", nargs="+", default=["8x1024", "16x1024"], help="prefill chunks, SEQSxLEN")
     parser.add_argument("--carveout", type=int, nargs="+", default=[0, 16, 32, 48, 66])
+    parser.add_argument("--cublaslt", action="store_true", help="GEMMs through cuBLASLt (the carve-out reaches it)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
+    if args.cublaslt:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     torch.manual_seed(0)
     layers = make_layers(args.layers)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
