@@ -234,10 +234,11 @@ class AsyncLLM:
         return checked_request(self.tokenizer, prompt, sampling_params, self.limits)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[int]:
         """One conversation's prompt token ids, through the tokenizer's chat template (tools and extra
-        template arguments, such as enable_thinking, go to it)."""
-        return render_chat(self.tokenizer, self.model, messages, add_generation_prompt, tools, chat_template_kwargs)
+        template arguments, such as enable_thinking, go to it), as LLM.chat_prompt's."""
+        return render_chat(self.tokenizer, self.model, messages, add_generation_prompt, tools, chat_template_kwargs,
+                           continue_final_message)
 
     def get_default_sampling_params(self) -> SamplingParams:
         return default_sampling_params(self.model)

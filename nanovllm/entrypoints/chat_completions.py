@@ -23,13 +23,11 @@ from nanovllm.entrypoints.structured_requests import chat_structured_outputs, to
 PROMPT_TAIL_TOKENS = 16     # enough of the prompt's end to see whether the template opened a <think>
 
 
-def render_prompt(engine, conversation: list[dict], inputs: ChatTemplateInputs,
-                  add_generation_prompt: bool) -> list[int]:
-    """The prompt's token ids; tools and chat_template_kwargs go to the template."""
-    tools, kwargs = inputs.template_tools(), inputs.chat_template_kwargs
-    if tools is None and not kwargs:
-        return engine.chat_prompt(conversation, add_generation_prompt)
-    return engine.chat_prompt(conversation, add_generation_prompt, tools, kwargs)
+def render_prompt(engine, conversation: list[dict], inputs: ChatTemplateInputs) -> list[int]:
+    """The prompt's token ids; tools, chat_template_kwargs, add_generation_prompt and continue_final_message
+    go to the template."""
+    return engine.chat_prompt(conversation, inputs.add_generation_prompt, inputs.template_tools(),
+                              inputs.chat_template_kwargs, inputs.continue_final_message)
 
 
 class _ChatCompletion:
@@ -40,7 +38,7 @@ class _ChatCompletion:
         self.plan = tool_plan(body, options.enable_auto_tool_choice, options.tool_call_parser)
         structured_outputs = chat_structured_outputs(body, self.plan)
         try:
-            prompt = render_prompt(engine, body.conversation(), body, body.add_generation_prompt)
+            prompt = render_prompt(engine, body.conversation(), body)
         except (ValueError, TypeError) as error:
             raise APIError(str(error), param="messages") from None
         defaults = engine.get_default_sampling_params()

@@ -87,9 +87,12 @@ class NamedToolChoice(RequestModel):
 
 
 class ChatTemplateInputs(RequestModel):
-    """What a chat template reads besides the messages: tools and vLLM's chat_template_kwargs."""
+    """What a chat template reads besides the messages: tools, and vLLM's chat_template_kwargs,
+    add_generation_prompt and continue_final_message (the model goes on with the final message)."""
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def template_tools(self) -> list[dict] | None:
         return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -102,7 +105,6 @@ class ChatCompletionRequest(ChatTemplateInputs, SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)      # None for both: up to max_model_len
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True      # vLLM's
     # None: "auto" with tools, else "none" (OpenAI's defaults); see structured_requests.tool_plan
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None     # false: tool_choice "required" makes exactly one call
@@ -137,7 +139,6 @@ class TokenizeRequest(ChatTemplateInputs):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True         # for a prompt; a chat template holds its own
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -95,7 +95,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         try:
             if body.messages is not None:
                 conversation = [message.as_dict() for message in body.messages]
-                tokens = render_prompt(engine, conversation, body, body.add_generation_prompt)
+                tokens = render_prompt(engine, conversation, body)
             else:
                 tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except (ValueError, TypeError) as error:

@@ -69,11 +69,12 @@ class FakeEngine:
         return self.defaults
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[int]:
         if not messages:
             raise ValueError("messages is empty")
         from nanovllm.engine.chat_template import render_chat
-        return render_chat(self.tokenizer, "fake", messages, add_generation_prompt, tools, chat_template_kwargs)
+        return render_chat(self.tokenizer, "fake", messages, add_generation_prompt, tools, chat_template_kwargs,
+                           continue_final_message)
 
     def check_request(self, prompt, params: SamplingParams) -> list[int]:
         self.checks.append(prompt)

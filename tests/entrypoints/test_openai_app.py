@@ -217,6 +217,27 @@ def test_tokenize_detokenize(client):
     assert_error(client.post("/tokenize", json={"prompt": "a", "model": "other"}), 404, "model")
 
 
+def test_continue_final_message_leaves_the_last_message_open(client):
+    """vLLM's continue_final_message (chat and /tokenize): the prompt ends inside the final assistant
+    message, a prefix of the closed conversation's; with add_generation_prompt (the default) a 400."""
+    started = CHAT + [{"role": "assistant", "content": "Once upon"}]
+    def tokens(**fields):
+        response = client.post("/tokenize", json={"messages": started, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+    closed = tokens(add_generation_prompt=False)
+    open_ = tokens(add_generation_prompt=False, continue_final_message=True)
+    assert len(open_) < len(closed) and closed[:len(open_)] == open_
+    assert client.post("/detokenize", json={"tokens": open_}).json()["prompt"].endswith("Once upon")
+    for path, body in (("/tokenize", {"messages": started}),
+                       ("/v1/chat/completions", {"messages": started, "max_tokens": 2})):
+        assert_error(client.post(path, json={**body, "continue_final_message": True}), 400)
+    answer = client.post("/v1/chat/completions", json={"messages": started, "max_tokens": 2,
+                                                       "add_generation_prompt": False,
+                                                       "continue_final_message": True})
+    assert answer.status_code == 200, answer.text
+
+
 BAD_COMPLETIONS = [
     ("{not json", 400, None),
     ("[1, 2]", 400, None),
