@@ -272,6 +272,10 @@ class BlockManager:
         """seq's drafter has not written its K/V at `position`: no block from the one holding it is published."""
         self.held_back[seq.seq_id] = position
 
+    def unwritten_position(self, seq: Sequence) -> int | None:
+        """The position held back for seq's drafter (hold_back), if any."""
+        return self.held_back.get(seq.seq_id)
+
     def drafter_wrote_from(self, seq: Sequence, position: int) -> None:
         """seq's drafter computed its K/V from `position` on: a position held back there or after is written."""
         if self.held_back.get(seq.seq_id, -1) >= position:

@@ -130,8 +130,10 @@ class SpeculativeDecoding:
                 return [[] for _ in seqs]
             # the tokens the draft computes first (draft_model.py): one back from the target's cached ones, or
             # from its unwritten position if plain steps came after it (theirs attended to it: computed again)
-            starts = [min(seq.num_cached_tokens - 1, self.block_manager.held_back.get(seq.seq_id, seq.num_tokens))
-                      for seq in seqs]
+            starts = []
+            for seq in seqs:
+                hole = self.block_manager.unwritten_position(seq)
+                starts.append(seq.num_cached_tokens - 1 if hole is None else min(seq.num_cached_tokens - 1, hole))
             drafts = self.draft_model(seqs, lengths, [seq.token_ids[start:] for seq, start in zip(seqs, starts)])
             for seq, n, start in zip(seqs, lengths, starts):
                 if n:
